@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv and install first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+# pin the CPU torch in the same pip call: an unpinned torch would pull a multi-GB CUDA build
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test demo test-gpu bench-cpu clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[test]'
+	rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -m "not cuda and not multi_gpu and not llama_cpp" tests $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/qatfactory demo
+
+bench-cpu: install
+	$(BIN)/python benchmarks/formats_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

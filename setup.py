@@ -1,0 +1,38 @@
+"""qatfactory: quantization-aware training and distillation aligned with the serving format."""
+from setuptools import find_packages, setup
+
+setup(
+    name="qatfactory",
+    version="0.1.0",
+    description="Quantization-aware training/distillation for NVFP4, MXFP4 and Q4_K, bit-exact with vLLM, SGLang and llama.cpp",
+    python_requires=">=3.10",
+    packages=find_packages(include=["qatfactory", "qatfactory.*"])
+    + ["qatfactory.exporters"],
+    package_dir={"qatfactory.exporters": "exporters"},
+    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "tqdm",
+        "gguf>=0.17",
+        "transformers>=4.56",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3,<2.4",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "ml_dtypes>=0.5",
+            "libggml-python==0.20.2.post1",
+            "torchao==0.18.0",
+            "nvidia-modelopt==0.47.0",
+            "compressed-tensors>=0.20",
+            "deepspeed==0.19.8",
+            "peft",
+        ],
+        "cuda": ["cupy-cuda13x"],
+    },
+    entry_points={"console_scripts": ["qatfactory=qatfactory.cli:main"]},
+)
