@@ -107,6 +107,7 @@ def e4m3_encode_np(v: np.ndarray) -> np.ndarray:
     a = np.where(nan, np.float32(0), a)
     _, ex = np.frexp(a)                       # a = m * 2^ex, m in [0.5, 1)
     e = ex.astype(np.int32) - 1               # floor(log2 a) for a > 0
+    e = np.where(a > 0, e, -6)                # frexp(0) has exponent 0; zero must encode as 0x00
     e = np.maximum(e, -6)                     # subnormals share the step of 2^-6
     step_exp = e - 3
     q = np.rint(np.ldexp(a, -step_exp)).astype(np.int64)      # exact scaling, RNE
