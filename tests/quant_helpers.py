@@ -1,0 +1,103 @@
+"""Tiny random HF models and the "rebuild from converted tensors" reference used by test_quantize.
+
+The rebuilt model never touches qatfactory.nn: it is a plain transformers model loaded with
+``from_pretrained`` from a directory holding the dequantized packed tensors (by their on-disk
+names) and the dense tensors; W4A4 activation fake quant is attached with hooks that call the
+format API directly, using the converted input_amax."""
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import torch
+from safetensors.torch import save_file
+
+from qatfactory.formats import get_format
+
+DT = torch.bfloat16
+
+
+def tiny(kind: str, hidden: int = 64, inter: int = 128, layers: int = 2, seed: int = 0, **kw):
+    import transformers as T
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, dtype="bfloat16")
+    common.update(kw)
+    if kind == "llama":
+        cfg, cls = T.LlamaConfig(intermediate_size=inter, **common), T.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = T.Qwen2Config(intermediate_size=inter, **common), T.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg, cls = T.Qwen3Config(intermediate_size=inter, head_dim=hidden // 2, **common), T.Qwen3ForCausalLM
+    elif kind == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(intermediate_size=inter, moe_intermediate_size=inter // 2, head_dim=hidden // 2,
+                               num_experts=4, num_experts_per_tok=2, **common)
+        cls = T.Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        cfg = T.MixtralConfig(intermediate_size=inter // 2, head_dim=hidden // 2, num_local_experts=4,
+                              num_experts_per_tok=2, **common)
+        cls = T.MixtralForCausalLM
+    else:
+        raise ValueError(kind)
+    m = cls._from_config(cfg, dtype=DT)
+    # random init leaves routers / norms at trivial values; spread them so routing and scales vary
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p.float()))
+            elif n.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p.float()))
+    return m
+
+
+def ids(batch=2, seq=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (batch, seq), generator=g)
+
+
+def write_dequantized(cm, out_dir: str) -> str:
+    """config.json + model.safetensors with dequantized packed tensors (model dtype) + dense."""
+    os.makedirs(out_dir, exist_ok=True)
+    state = {k: v.contiguous() for k, v in cm.dense.items()}
+    for k, p in cm.packed.items():
+        state[k] = get_format(p.format).dequantize(p).to(DT).contiguous()
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cm.config, f)
+    return out_dir
+
+
+def _act(fmt_name, amax):
+    fmt = get_format(fmt_name)
+    if fmt.spec.global_scale is not None:
+        return lambda x: fmt.fake_quantize(x, amax=amax)
+    return lambda x: fmt.fake_quantize(x)
+
+
+def rebuild(cm, out_dir: str):
+    """AutoModelForCausalLM.from_pretrained(out_dir) with W4A4 input fake quant attached."""
+    from transformers import AutoModelForCausalLM
+    write_dequantized(cm, out_dir)
+    m = AutoModelForCausalLM.from_pretrained(out_dir, dtype=DT)
+    m.eval()
+    mods = dict(m.named_modules())
+    for name, fmt in cm.act_formats.items():
+        if ".experts." in name:
+            continue
+        q = _act(fmt, cm.input_amax.get(name))
+        mods[name].register_forward_pre_hook(lambda mod, args, q=q: (q(args[0]),) + tuple(args[1:]))
+    for name, mod in mods.items():
+        if not name.endswith("mlp.experts"):
+            continue
+        disk = name.replace("mlp.experts", "block_sparse_moe.experts") if "Mixtral" in type(m).__name__ else name
+        gate, down = ("w1", "w2") if "Mixtral" in type(m).__name__ else ("gate_proj", "down_proj")
+        gk, dk = f"{disk}.0.{gate}", f"{disk}.0.{down}"
+        if gk in cm.act_formats:
+            qg = _act(cm.act_formats[gk], cm.input_amax.get(gk))
+            mod.register_forward_pre_hook(lambda mod, args, q=qg: (q(args[0]),) + tuple(args[1:]))
+        if dk in cm.act_formats:
+            qd = _act(cm.act_formats[dk], cm.input_amax.get(dk))
+            base = type(mod)._apply_gate
+            mod._apply_gate = types.MethodType(lambda self, x, q=qd, base=base: q(base(self, x)), mod)
+    return m
