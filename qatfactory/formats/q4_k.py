@@ -1,0 +1,659 @@
+"""q4_k: llama.cpp / ggml ``GGML_TYPE_Q4_K`` (type 12), bit-exact, with and without imatrix.
+
+One ``block_q4_K`` record = 256 weights of a row = 144 bytes (4.5 bits per weight)::
+
+    offset  0         2           4                    16                                  144
+            +---------+-----------+--------------------+-----------------------------------+
+            | d  fp16 | dmin fp16 | scales: 12 bytes   | qs: 128 bytes, 256 x 4-bit codes  |
+            +---------+-----------+--------------------+-----------------------------------+
+    scales packs eight 6-bit sub-block scales ls[0..7] and eight 6-bit mins lm[0..7]:
+        byte k   (k=0..3) = ls[k] | (ls[k+4] >> 4) << 6
+        byte k+4 (k=0..3) = lm[k] | (lm[k+4] >> 4) << 6
+        byte k+8 (k=0..3) = (ls[k+4] & 0xF) | (lm[k+4] & 0xF) << 4
+    qs: for chunk c = 0..3 (64 weights = sub-blocks 2c, 2c+1), byte 32c + l =
+        code[64c + l] | code[64c + 32 + l] << 4          (l = 0..31)
+
+    decode (float32, each product rounded, no FMA):
+        w[32j + l] = (fp32(d) * ls[j]) * q - (fp32(dmin) * lm[j])      q in 0..15
+
+Encoding follows ``ggml/src/ggml-quants.c`` of llama.cpp:
+
+* no imatrix -> ``quantize_row_q4_K_ref``: per 32-weight sub-block the weights
+  ``av_x + |x|`` (av_x = sqrt(sum x^2 / 32)), ``make_qkx2_quants(nmax=15, rmin=-1,
+  rdelta=0.1, nstep=20)``; the 8 scales and 8 mins quantized linearly to 6 bits against
+  their maxima, ``d = fp16(max_scale/63)``, ``dmin = fp16(max_min/63)``.
+* imatrix -> ``quantize_row_q4_K_impl``: weights ``qw * sqrt(sigma2 + x^2)`` with
+  ``sigma2 = 2 * sum_256 x^2 / 256``, ``make_qkx3_quants(rmin=-0.9, rdelta=0.05,
+  nstep=36)``, then ``make_qp_quants(8, 63)`` (grid search + coordinate descent) for the
+  scales and for the mins, weighted by each sub-block's weight sum.
+* both: codes re-derived from the stored values, ``q = nearest_int((x + dmin*lm)/(d*ls))``
+  clamped to 0..15, except where ``d*ls == 0``: there the search's codes are kept.
+
+Numerics that decide the last bit (see /work/shared/reference/formats.md section 3):
+float32 everywhere, sums accumulated one element at a time in C order, true IEEE
+division, ggml ``nearest_int`` (round half to even), and the ``min`` variable of
+``make_qkx2/3_quants`` reused by later candidates once one is accepted.
+
+The torch emulator runs the same steps for all sub-blocks at once ([32, n] tensors, element
+index first, so each of the C loop's sequential sums is 31 vector adds); divisions go through
+two device tensors and square roots through float64, because torch's ``tensor / scalar`` on
+CUDA and its CPU float32 ``sqrt`` are not always correctly rounded. imatrix: one float per
+column ``[K]``, or one row per expert ``[E, K]`` for x ``[E, N, K]``.
+
+:class:`PackedTensor` content for q4_k (x of shape ``[..., K]``, K % 256 == 0):
+
+* ``codes``  uint8 ``[..., K]``: the 4-bit codes 0..15, unpacked, in weight order
+* ``scales`` uint8 ``[..., K/32, 2]``: the 6-bit ``(ls, lm)`` pair of each sub-block
+* ``extra["d"]``, ``extra["dmin"]`` float16 ``[..., K/256]``: the super-block scales
+* ``global_scale`` None
+
+Oracle: libggml-python 0.20.2.post1 (``ggml_quantize_chunk`` / ``quantize_q4_K`` /
+``dequantize_row_q4_K``) and gguf 0.19 ``gguf.quants.dequantize``; tests/formats/test_q4_k.py.
+Rows whose length is not a multiple of 256 are not Q4_K in llama-quantize: it falls back
+to Q5_0 (F16 if K % 32 != 0); :meth:`Format.check_input` says so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .codecs import pack_split_halves, pack_split_halves_np, unpack_split_halves, unpack_split_halves_np
+from .kquant_common import (fp16_round, fp16_round_np, nearest_int, nearest_int_np, pack_scale_min_k4,
+                            pack_scale_min_k4_np, seq_sum, seq_sum_np, sqrt_f32, tdiv, unpack_scale_min_k4,
+                            unpack_scale_min_k4_np)
+from .spec import Format, FormatSpec, PackedTensor, register
+
+QK_K = 256
+SUB = 32
+NSUB = QK_K // SUB
+BLOCK_BYTES = 144
+GROUP_MAX_EPS = np.float32(1e-15)
+
+# (rmin, rdelta, nstep) of the two searches
+_QKX2 = (-1.0, 0.1, 20)   # quantize_row_q4_K_ref
+_QKX3 = (-0.9, 0.05, 36)  # quantize_row_q4_K_impl (imatrix)
+
+
+def _candidate_numerators(rmin: float, rdelta: float, nstep: int):
+    """(rmin + rdelta*is) + nmax for is = 0..nstep, each op rounded to float32 as in C."""
+    f = np.float32
+    return [float(f(f(f(rmin) + f(f(rdelta) * f(i))) + f(15))) for i in range(nstep + 1)]
+
+
+_NUM_QKX2 = _candidate_numerators(*_QKX2)
+_NUM_QKX3 = _candidate_numerators(*_QKX3)
+# make_qp_quants: (0.1f*is + nmax) for is = -4..4 without 0
+_NUM_QP = [float(np.float32(np.float32(np.float32(0.1) * np.float32(i)) + np.float32(63)))
+           for i in (-4, -3, -2, -1, 1, 2, 3, 4)]
+
+SPEC = FormatSpec(
+    name="q4_k",
+    engine="llama.cpp ggml (ggml-quants.c quantize_row_q4_K_ref / quantize_row_q4_K_impl), ggml 0.20.2",
+    element="uint4",
+    block_size=32,
+    super_block=256,
+    bytes_per_block=144,
+    scale_codec="fp16+6bit",
+    scale_rule="make_qkx2_quants (imatrix: make_qkx3_quants + make_qp_quants); 6-bit ls/lm vs fp16 d/dmin",
+    tie_rule="half_even_int",
+    global_scale=None,
+    nibble_order="q4_k",
+    oracle="libggml-python 0.20.2.post1 ggml_quantize_chunk / quantize_q4_K",
+    ggml_type=12,
+    fallback="q5_0 (llama-quantize tensor_type_fallback; f16 if K % 32 != 0)",
+    role="weight",
+    symmetric=False,
+    notes="w = d*ls*q - dmin*lm; codes 0..15 with a per-sub-block min; imatrix optional",
+)
+
+
+# ============================================================================ numpy reference
+def _make_qkx_np(X: np.ndarray, W: np.ndarray, v3: bool):
+    """make_qkx2_quants (v3=False) / make_qkx3_quants (v3=True), nmax=15, n=32, use_mad=False,
+    for every sub-block at once. X, W: float32 [32, B] (element index first).
+    Returns scale [B], the_min [B] (>= 0) and L uint8 [32, B]."""
+    f32 = np.float32
+    n = X.shape[0]
+    mn = X[0].copy()
+    mx = X[0].copy()
+    sum_w = W[0].copy()
+    sum_x = (sum_w * X[0]).astype(f32)
+    for i in range(1, n):
+        mn = np.where(X[i] < mn, X[i], mn)
+        mx = np.where(X[i] > mx, X[i], mx)
+        sum_w = sum_w + W[i]
+        sum_x = sum_x + W[i] * X[i]
+    mn = np.where(mn > 0, f32(0), mn)
+    degenerate = (mx <= mn) if v3 else (mx == mn)
+    numerators = _NUM_QKX3 if v3 else _NUM_QKX2
+    with np.errstate(all="ignore"):
+        iscale = f32(15) / (mx - mn)
+        scale = f32(1) / iscale
+        L = np.clip(nearest_int_np(iscale * (X - mn)), 0, 15)
+        Lf = L.astype(f32)
+        diff = (scale * Lf + mn) - X
+        best = seq_sum_np(W * (diff * diff))
+        for num in numerators:
+            isc = f32(num) / (mx - mn)      # mn: the best min so far (the C variable is reused)
+            v = isc * (X - mn)
+            if v3:
+                La = np.where(v > 0, nearest_int_np(np.where(v < 15, v, f32(15))), 0)
+            else:
+                La = np.clip(nearest_int_np(v), 0, 15)
+            Laf = La.astype(f32)
+            wl = W * Laf
+            sum_l = seq_sum_np(wl)
+            sum_l2 = seq_sum_np(wl * Laf)
+            sum_xl = seq_sum_np(wl * X)
+            D = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0
+            this_min = np.where(pos, f32(0), this_min)
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            d2 = (this_scale * Laf + this_min) - X
+            cur = seq_sum_np(W * (d2 * d2))
+            take = (D > 0) & (cur < best) & ~degenerate
+            L = np.where(take, La, L)
+            best = np.where(take, cur, best)
+            scale = np.where(take, this_scale, scale)
+            mn = np.where(take, this_min, mn)
+    L = np.where(degenerate, 0, L).astype(np.uint8)
+    scale = np.where(degenerate, f32(0), scale).astype(f32)
+    return scale, (-mn).astype(f32), L
+
+
+def _make_qp_np(V: np.ndarray, Q: np.ndarray):
+    """make_qp_quants(n=8, nmax=63) for every super-block. V, Q: float32 [8, S].
+    Returns (scale [S], L int32 [8, S])."""
+    f32 = np.float32
+    n = V.shape[0]
+    mx = np.zeros(V.shape[1], dtype=f32)
+    for i in range(n):
+        mx = np.where(mx > V[i], mx, V[i])
+    zero = mx < GROUP_MAX_EPS
+    with np.errstate(all="ignore"):
+        iscale = f32(63) / mx
+        L = nearest_int_np(iscale * V)
+        scale = f32(1) / iscale
+        diff = V - scale * L.astype(f32)
+        best = seq_sum_np((Q * diff) * diff)
+        for num in _NUM_QP:
+            isc = f32(num) / mx
+            sc = f32(1) / isc
+            l = np.minimum(63, nearest_int_np(isc * V)).astype(f32)
+            diff = V - sc * l
+            mse = seq_sum_np((Q * diff) * diff)
+            better = mse < best
+            best = np.where(better, mse, best)
+            iscale = np.where(better, isc, iscale)
+        L = np.minimum(63, nearest_int_np(iscale * V))
+        Lf = L.astype(f32)
+        sumlx = seq_sum_np((Q * V) * Lf)
+        suml2 = seq_sum_np((Q * Lf) * Lf)
+        # a sweep that changes nothing leaves the state as it was, so running all five
+        # sweeps for every block equals the C loop's early exit
+        for _ in range(5):
+            for i in range(n):
+                w = Q[i]
+                li = L[i].astype(f32)
+                slx = sumlx - (w * V[i]) * li
+                sl2 = suml2 - (w * li) * li
+                ok = (slx > 0) & (sl2 > 0)
+                new = np.minimum(63, nearest_int_np((V[i] * sl2) / slx))
+                newf = new.astype(f32)
+                ok &= new != L[i]
+                slx = slx + (w * V[i]) * newf
+                sl2 = sl2 + (w * newf) * newf
+                ok &= (slx * slx) * suml2 > (sumlx * sumlx) * sl2
+                L[i] = np.where(ok, new, L[i])
+                sumlx = np.where(ok, slx, sumlx)
+                suml2 = np.where(ok, sl2, suml2)
+        out = np.where(suml2 > 0, sumlx / suml2, f32(0))
+    out = np.where(zero, f32(0), out).astype(f32)
+    L = np.where(zero, 0, L)
+    return out, L
+
+
+def _quantize_rows_np(x: np.ndarray, qw: Optional[np.ndarray]):
+    """x float32 [R, K]; qw float32 [R, K] or None -> (L uint8 [R, K], ls, lm uint8 [R, K/32],
+    d, dmin float32 [R, K/256] (fp16-representable))."""
+    # overflow to Inf and 0/0 in degenerate blocks are part of what the C code does
+    with np.errstate(all="ignore"):
+        return _quantize_rows_np_impl(x, qw)
+
+
+def _quantize_rows_np_impl(x: np.ndarray, qw: Optional[np.ndarray]):
+    f32 = np.float32
+    R, K = x.shape
+    S = R * K // QK_K
+    B = S * NSUB
+    X = np.ascontiguousarray(x.reshape(B, SUB).T)            # [32, B], B = s*8 + j
+    if qw is None:
+        sum_x2 = seq_sum_np(X * X)
+        av_x = np.sqrt(sum_x2 / f32(32)).astype(f32)
+        W = (av_x + np.abs(X)).astype(f32)
+        scale, the_min, L = _make_qkx_np(X, W, v3=False)
+        scale = scale.reshape(S, NSUB)
+        the_min = the_min.reshape(S, NSUB)
+        max_scale = np.zeros(S, f32)
+        max_min = np.zeros(S, f32)
+        for j in range(NSUB):   # strict '>' from 0, as the C loop
+            max_scale = np.where(scale[:, j] > max_scale, scale[:, j], max_scale)
+            max_min = np.where(the_min[:, j] > max_min, the_min[:, j], max_min)
+        with np.errstate(all="ignore"):
+            inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0)).astype(f32)
+            inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0)).astype(f32)
+        # the C stores nearest_int into a uint8 before MIN(63, .)
+        ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scale) & 0xFF)
+        lm = np.minimum(63, nearest_int_np(inv_min[:, None] * the_min) & 0xFF)
+        d = fp16_round_np(max_scale / f32(63))
+        dmin = fp16_round_np(max_min / f32(63))
+    else:
+        Q = np.ascontiguousarray(qw.reshape(B, SUB).T)
+        X3 = X.reshape(SUB, S, NSUB)
+        sum_x2 = np.zeros(S, f32)
+        for j in range(NSUB):
+            for l in range(SUB):
+                sum_x2 = sum_x2 + X3[l, :, j] * X3[l, :, j]
+        sigma2 = (f32(2) * sum_x2) / f32(QK_K)
+        sig = np.repeat(sigma2, NSUB)                          # [B]
+        W = (Q * np.sqrt(sig + X * X)).astype(f32)
+        sw = seq_sum_np(W).reshape(S, NSUB)
+        scale, the_min, L = _make_qkx_np(X, W, v3=True)
+        d_block, Ls = _make_qp_np(np.ascontiguousarray(scale.reshape(S, NSUB).T), np.ascontiguousarray(sw.T))
+        m_block, Lm = _make_qp_np(np.ascontiguousarray(the_min.reshape(S, NSUB).T), np.ascontiguousarray(sw.T))
+        ls = (Ls.T & 0xFF)
+        lm = (Lm.T & 0xFF)
+        d = fp16_round_np(d_block)
+        dmin = fp16_round_np(m_block)
+    ls = ls.astype(np.uint8)
+    lm = lm.astype(np.uint8)
+    # re-quantize with the stored values; d*ls == 0 keeps the search's codes
+    dj = (np.repeat(d, NSUB) * ls.reshape(-1).astype(f32)).astype(f32)   # [B]
+    mj = (np.repeat(dmin, NSUB) * lm.reshape(-1).astype(f32)).astype(f32)
+    with np.errstate(all="ignore"):
+        Lq = np.clip(nearest_int_np((X + mj) / dj), 0, 15)
+    L = np.where(dj != 0, Lq, L).astype(np.uint8)
+    codes = L.T.reshape(R, K)
+    return (codes, ls.reshape(R, K // SUB), lm.reshape(R, K // SUB),
+            d.reshape(R, K // QK_K), dmin.reshape(R, K // QK_K))
+
+
+def _pack_np(codes, ls, lm, d, dmin) -> np.ndarray:
+    """Fields -> engine bytes [R, K/256*144]."""
+    R, K = codes.shape
+    S = K // QK_K
+    out = np.empty((R, S, BLOCK_BYTES), dtype=np.uint8)
+    out[..., 0:2] = d.astype(np.float16).view(np.uint8).reshape(R, S, 2)
+    out[..., 2:4] = dmin.astype(np.float16).view(np.uint8).reshape(R, S, 2)
+    out[..., 4:16] = pack_scale_min_k4_np(ls.reshape(R, S, NSUB), lm.reshape(R, S, NSUB))
+    out[..., 16:] = pack_split_halves_np(codes, 64).reshape(R, S, 128)
+    return out.reshape(R, S * BLOCK_BYTES)
+
+
+def _unpack_np(b: np.ndarray, K: int):
+    b = np.ascontiguousarray(b, dtype=np.uint8).reshape(-1, K // QK_K, BLOCK_BYTES)
+    R, S = b.shape[:2]
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    ls, lm = unpack_scale_min_k4_np(b[..., 4:16])
+    codes = unpack_split_halves_np(b[..., 16:].reshape(R, S * 128), 64)
+    return codes, ls.reshape(R, -1), lm.reshape(R, -1), d, dmin
+
+
+def _broadcast_imatrix(imatrix, shape, to_np: bool):
+    """Validate an imatrix for x of `shape` and expand it to `shape`: [K] (one weight per
+    column, shared by all rows) or shape[:-2] + [K] (one per expert of a 3-D tensor)."""
+    K = shape[-1]
+    im = imatrix
+    ishape = tuple(im.shape)
+    if ishape == (K,):
+        pass
+    elif len(shape) >= 2 and ishape == tuple(shape[:-2]) + (K,):
+        im = im[..., None, :]
+    else:
+        raise ValueError(f"q4_k: imatrix shape {ishape} does not fit x of shape {tuple(shape)}; "
+                         f"allowed: ({K},) or {tuple(shape[:-2]) + (K,)} (one per expert)")
+    if to_np:
+        im = np.asarray(im, dtype=np.float32)
+        if not np.isfinite(im).all():
+            raise ValueError("q4_k: imatrix contains NaN or Inf")
+        return np.broadcast_to(im, shape)
+    im = im.float()
+    if not bool(torch.isfinite(im).all()):
+        raise ValueError("q4_k: imatrix contains NaN or Inf")
+    return im.expand(shape)
+
+
+# ============================================================================ torch emulator
+# nearest_int is plain round-half-even for |v| <= 4194303; beyond that ggml's bit trick
+# yields a deterministic pattern that only the int32 path reproduces
+_NI_SAFE = 4194303.0
+
+
+def _round_codes(v: torch.Tensor, out: torch.Tensor, bound: torch.Tensor, v3: bool) -> torch.Tensor:
+    """Codes 0..15 (float32, into `out`) of v as make_qkx2 (clamp(nearest_int(v))) or
+    make_qkx3 (v > 0 ? nearest_int(min(v, 15)) : 0) computes them. `bound` [n] is an upper
+    bound of |v| per block (NaN/Inf where v may be NaN/Inf): when every block is inside the
+    exact range of nearest_int, torch.round (RNE) is the same function and much cheaper."""
+    if bool((bound <= _NI_SAFE).all()):
+        torch.round(v, out=out)
+        return out.clamp_(0, 15)
+    if v3:
+        li = torch.where(v > 0, nearest_int(torch.where(v < 15, v, torch.full_like(v, 15.0))), 0)
+    else:
+        li = nearest_int(v).clamp_(0, 15)
+    out.copy_(li)
+    return out
+
+
+def _make_qkx_t(X: torch.Tensor, W: torch.Tensor, v3: bool):
+    """torch twin of _make_qkx_np on [32, n] float32 tensors. Work tensors are allocated
+    once and reused (out=) because the [32, n] ops dominate and are memory bound."""
+    n = X.shape[1]
+    dev = X.device
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    xlo = X.amin(0)
+    mx = X.amax(0)
+    sums = seq_sum(torch.stack([W, W * X], dim=1))            # [2, n]: sum_w, sum_x
+    sum_w, sum_x = sums[0], sums[1]
+    mn = torch.where(xlo > 0, zero, xlo)
+    degenerate = (mx <= mn) if v3 else (mx == mn)
+    iscale = tdiv(15.0, mx - mn)
+    scale = tdiv(1.0, iscale)
+    v = torch.empty_like(X)
+    La = torch.empty_like(X)
+    err = torch.empty_like(X)
+    buf = torch.empty((X.shape[0], 3, n), dtype=torch.float32, device=dev)
+
+    def codes_for(isc, m, out, qkx3_rule):
+        torch.sub(X, m, out=v)
+        v.mul_(isc)
+        # |X - m| <= max(|xlo - m|, |mx - m|) and rounding is monotone, so this bounds |v|
+        bound = isc.abs() * torch.maximum((xlo - m).abs(), (mx - m).abs())
+        return _round_codes(v, out, bound, qkx3_rule)
+
+    L = codes_for(iscale, mn, torch.empty_like(X), False)     # the first guess clamps in both variants
+    torch.mul(L, scale, out=err)
+    err.add_(mn).sub_(X)
+    err.mul_(err).mul_(W)                                    # w * diff^2 (one product: order-free)
+    best = seq_sum(err)
+    for num in (_NUM_QKX3 if v3 else _NUM_QKX2):
+        isc = tdiv(num, mx - mn)                            # mn: the best min so far (C reuses it)
+        codes_for(isc, mn, La, v3)
+        wl = torch.mul(W, La, out=buf[:, 0])
+        torch.mul(wl, La, out=buf[:, 1])
+        torch.mul(wl, X, out=buf[:, 2])
+        s = seq_sum(buf)
+        sum_l, sum_l2, sum_xl = s[0], s[1], s[2]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = tdiv(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = tdiv(sum_l2 * sum_x - sum_l * sum_xl, D)
+        pos = this_min > 0
+        this_min = torch.where(pos, zero, this_min)
+        this_scale = torch.where(pos, tdiv(sum_xl, sum_l2), this_scale)
+        torch.mul(La, this_scale, out=err)
+        err.add_(this_min).sub_(X)
+        err.mul_(err).mul_(W)
+        cur = seq_sum(err)
+        take = (D > 0) & (cur < best) & ~degenerate
+        torch.where(take, La, L, out=L)
+        best = torch.where(take, cur, best)
+        scale = torch.where(take, this_scale, scale)
+        mn = torch.where(take, this_min, mn)
+    L = torch.where(degenerate, zero, L)
+    scale = torch.where(degenerate, zero, scale)
+    return scale, -mn, L
+
+
+def _make_qp_t(V: torch.Tensor, Q: torch.Tensor):
+    """torch twin of _make_qp_np. V, Q: float32 [8, S]."""
+    dev = V.device
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    n = V.shape[0]
+    mx = torch.zeros(V.shape[1], dtype=torch.float32, device=dev)
+    for i in range(n):
+        mx = torch.where(mx > V[i], mx, V[i])
+    is_zero = mx < float(GROUP_MAX_EPS)
+    iscale = tdiv(63.0, mx)
+    L = nearest_int(iscale * V).float()
+    scale = tdiv(1.0, iscale)
+    diff = V - scale * L
+    best = seq_sum((Q * diff) * diff)
+    for num in _NUM_QP:
+        isc = tdiv(num, mx)
+        sc = tdiv(1.0, isc)
+        l = nearest_int(isc * V).clamp_max_(63).float()
+        diff = V - sc * l
+        mse = seq_sum((Q * diff) * diff)
+        better = mse < best
+        best = torch.where(better, mse, best)
+        iscale = torch.where(better, isc, iscale)
+    L = nearest_int(iscale * V).clamp_max_(63).float()
+    sumlx = seq_sum((Q * V) * L)
+    suml2 = seq_sum((Q * L) * L)
+    L = list(L.unbind(0))
+    for _ in range(5):
+        for i in range(n):
+            w, vi, li = Q[i], V[i], L[i]
+            wv = w * vi
+            slx = sumlx - wv * li
+            sl2 = suml2 - (w * li) * li
+            ok = (slx > 0) & (sl2 > 0)
+            new = nearest_int(tdiv(vi * sl2, slx)).clamp_max_(63).float()
+            ok &= new != li
+            slx = slx + wv * new
+            sl2 = sl2 + (w * new) * new
+            ok &= (slx * slx) * suml2 > (sumlx * sumlx) * sl2
+            L[i] = torch.where(ok, new, li)
+            sumlx = torch.where(ok, slx, sumlx)
+            suml2 = torch.where(ok, sl2, suml2)
+    out = torch.where(suml2 > 0, tdiv(sumlx, suml2), zero)
+    out = torch.where(is_zero, zero, out)
+    L = torch.where(is_zero, zero, torch.stack(L, 0))
+    return out, L
+
+
+def _quantize_chunk_t(X: torch.Tensor, Q: Optional[torch.Tensor]):
+    """X (and Q) float32 [32, n], n = 8 * super-blocks. Returns L [32, n] float,
+    ls, lm [n] float (0..63), d, dmin [n/8] float (fp16 values)."""
+    dev = X.device
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    n = X.shape[1]
+    S = n // NSUB
+    if Q is None:
+        sum_x2 = seq_sum(X * X)
+        av_x = sqrt_f32(sum_x2 / 32.0)      # exact: a power of two
+        W = av_x + X.abs()
+        scale, the_min, L = _make_qkx_t(X, W, v3=False)
+        scale = scale.view(S, NSUB)
+        the_min = the_min.view(S, NSUB)
+        max_scale = torch.zeros(S, dtype=torch.float32, device=dev)
+        max_min = torch.zeros(S, dtype=torch.float32, device=dev)
+        for j in range(NSUB):
+            max_scale = torch.where(scale[:, j] > max_scale, scale[:, j], max_scale)
+            max_min = torch.where(the_min[:, j] > max_min, the_min[:, j], max_min)
+        inv_scale = torch.where(max_scale > 0, tdiv(63.0, max_scale), zero)
+        inv_min = torch.where(max_min > 0, tdiv(63.0, max_min), zero)
+        ls = (nearest_int(inv_scale[:, None] * scale) & 0xFF).clamp_max_(63).float().reshape(n)
+        lm = (nearest_int(inv_min[:, None] * the_min) & 0xFF).clamp_max_(63).float().reshape(n)
+        d = fp16_round(tdiv(max_scale, 63.0))
+        dmin = fp16_round(tdiv(max_min, 63.0))
+    else:
+        X3 = X.view(SUB, S, NSUB)
+        sq = X3 * X3
+        sum_x2 = sq[0, :, 0].clone()
+        for j in range(NSUB):
+            for l in range(SUB):
+                if j or l:
+                    sum_x2.add_(sq[l, :, j])
+        sigma2 = (sum_x2 * 2.0) / 256.0      # exact scalings by powers of two
+        sig = sigma2.repeat_interleave(NSUB)
+        W = Q * sqrt_f32(sig + X * X)
+        sw = seq_sum(W).view(S, NSUB).t().contiguous()
+        scale, the_min, L = _make_qkx_t(X, W, v3=True)
+        # scales and mins go through make_qp_quants side by side (independent columns)
+        both = torch.cat([scale.view(S, NSUB), the_min.view(S, NSUB)], 0).t().contiguous()
+        blk, Lsm = _make_qp_t(both, torch.cat([sw, sw], 1))
+        d_block, m_block = blk[:S], blk[S:]
+        ls = Lsm[:, :S].t().reshape(n)
+        lm = Lsm[:, S:].t().reshape(n)
+        d = fp16_round(d_block)
+        dmin = fp16_round(m_block)
+    dj = d.repeat_interleave(NSUB) * ls
+    mj = dmin.repeat_interleave(NSUB) * lm
+    Lq = nearest_int(tdiv(X + mj, dj)).clamp_(0, 15).float()
+    L = torch.where(dj != 0, Lq, L)
+    return L, ls, lm, d, dmin
+
+
+class Q4K(Format):
+    """llama.cpp Q4_K; see the module docstring for the layout and the rules."""
+
+    # sub-blocks per pass. CPU: keeps the [32, n] work tensors near cache size. CUDA: the
+    # loop is launch-bound, so large passes (H200, 4096x4096: 23 M/s at 16384, 606 M/s at
+    # 524288); 2^20 sub-blocks use about 1.5 GB of work memory.
+    chunk_subblocks = 8192
+    chunk_subblocks_cuda = 1 << 20
+
+    # ---------------------------------------------------------------- numpy reference
+    def quantize_ref(self, x: np.ndarray, imatrix: Optional[np.ndarray] = None, **kw) -> np.ndarray:
+        x = np.asarray(x)
+        self.check_input(x)
+        x = x.astype(np.float32)
+        self.check_finite(self.name, x)
+        K = x.shape[-1]
+        qw = None if imatrix is None else _broadcast_imatrix(np.asarray(imatrix), x.shape, to_np=True)
+        rows = x.reshape(-1, K)
+        fields = _quantize_rows_np(rows, None if qw is None else qw.reshape(-1, K))
+        return _pack_np(*fields).reshape(*x.shape[:-1], K // QK_K * BLOCK_BYTES)
+
+    def dequantize_ref(self, b: np.ndarray, k: int) -> np.ndarray:
+        b = np.asarray(b, dtype=np.uint8)
+        if b.shape[-1] != k // QK_K * BLOCK_BYTES or k % QK_K:
+            raise ValueError(f"q4_k: {b.shape[-1]} bytes per row do not hold K={k} weights "
+                             f"(need K % 256 == 0 and K/256*144 bytes)")
+        codes, ls, lm, d, dmin = _unpack_np(b, k)
+        f32 = np.float32
+        dl = (np.repeat(d, NSUB, axis=-1) * ls.astype(f32)).astype(f32)
+        ml = (np.repeat(dmin, NSUB, axis=-1) * lm.astype(f32)).astype(f32)
+        R = codes.shape[0]
+        q = codes.reshape(R, -1, SUB).astype(f32)
+        y = (dl[..., None] * q) - ml[..., None]
+        return y.reshape(*b.shape[:-1], k).astype(f32)
+
+    # ---------------------------------------------------------------- torch emulator
+    def quantize(self, x: torch.Tensor, imatrix=None, **kw) -> PackedTensor:
+        for key in ("amax", "scales"):
+            if kw.get(key) is not None:
+                raise ValueError(f"q4_k.quantize: {key}= is not supported: q4_k has no per-tensor scale and "
+                                 f"derives d/dmin/ls/lm per super-block; it takes imatrix= only")
+        unknown = set(kw) - {"amax", "scales"}
+        if unknown:
+            raise TypeError(f"q4_k.quantize: unexpected keyword(s) {sorted(unknown)}; q4_k takes imatrix=")
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(x)
+        self.check_input(x)
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"q4_k.quantize: dtype {x.dtype}; allowed: float32, bfloat16, float16")
+        shape = tuple(x.shape)
+        K = shape[-1]
+        xf = x.detach().float()
+        self.check_finite(self.name, xf)
+        qw = None
+        if imatrix is not None:
+            im = imatrix if isinstance(imatrix, torch.Tensor) else torch.as_tensor(np.asarray(imatrix))
+            qw = _broadcast_imatrix(im.to(xf.device), shape, to_np=False)
+        B = xf.numel() // SUB
+        Xall = xf.reshape(B, SUB)
+        Qall = None if qw is None else qw.reshape(B, SUB)
+        codes = torch.empty((B, SUB), dtype=torch.uint8, device=xf.device)
+        ls = torch.empty(B, dtype=torch.uint8, device=xf.device)
+        lm = torch.empty(B, dtype=torch.uint8, device=xf.device)
+        d = torch.empty(B // NSUB, dtype=torch.float32, device=xf.device)
+        dmin = torch.empty_like(d)
+        step = self.chunk_subblocks_cuda if xf.is_cuda else self.chunk_subblocks
+        for a in range(0, B, step):
+            e = min(B, a + step)
+            X = Xall[a:e].t().contiguous()
+            Q = None if Qall is None else Qall[a:e].t().contiguous()
+            L, cls, clm, cd, cdm = _quantize_chunk_t(X, Q)
+            codes[a:e] = L.t().to(torch.uint8)
+            ls[a:e] = cls.to(torch.uint8)
+            lm[a:e] = clm.to(torch.uint8)
+            d[a // NSUB:e // NSUB] = cd
+            dmin[a // NSUB:e // NSUB] = cdm
+        lead = shape[:-1]
+        return PackedTensor(
+            format=self.name, shape=shape,
+            codes=codes.reshape(shape),
+            scales=torch.stack([ls, lm], dim=-1).reshape(*lead, K // SUB, 2),
+            global_scale=None,
+            extra={"d": d.half().reshape(*lead, K // QK_K), "dmin": dmin.half().reshape(*lead, K // QK_K)},
+        )
+
+    def dequantize(self, p: PackedTensor) -> torch.Tensor:
+        shape = tuple(p.shape)
+        K = shape[-1]
+        d = p.extra["d"].float().reshape(-1, K // QK_K, 1)
+        dmin = p.extra["dmin"].float().reshape(-1, K // QK_K, 1)
+        sc = p.scales.reshape(-1, K // QK_K, NSUB, 2)
+        dl = d * sc[..., 0].float()                      # [R, S, 8]
+        ml = dmin * sc[..., 1].float()
+        q = p.codes.reshape(-1, K // QK_K, NSUB, SUB).float()
+        y = dl[..., None] * q - ml[..., None]
+        return y.reshape(shape)
+
+    def to_bytes(self, p: PackedTensor) -> np.ndarray:
+        shape = tuple(p.shape)
+        K = shape[-1]
+        S = K // QK_K
+        codes = p.codes.reshape(-1, K).cpu()
+        R = codes.shape[0]
+        sc = p.scales.reshape(R, S, NSUB, 2).cpu()
+        out = torch.empty((R, S, BLOCK_BYTES), dtype=torch.uint8)
+        out[..., 0:2] = p.extra["d"].reshape(R, S).cpu().half().contiguous().view(torch.uint8).reshape(R, S, 2)
+        out[..., 2:4] = p.extra["dmin"].reshape(R, S).cpu().half().contiguous().view(torch.uint8).reshape(R, S, 2)
+        out[..., 4:16] = pack_scale_min_k4(sc[..., 0], sc[..., 1])
+        out[..., 16:] = pack_split_halves(codes, 64).reshape(R, S, 128)
+        return out.reshape(*shape[:-1], S * BLOCK_BYTES).numpy()
+
+    def from_bytes(self, b, k: Optional[int] = None) -> PackedTensor:
+        b = torch.as_tensor(np.ascontiguousarray(b, dtype=np.uint8))
+        nb = b.shape[-1]
+        if nb % BLOCK_BYTES:
+            raise ValueError(f"q4_k: a row of {nb} bytes is not a whole number of {BLOCK_BYTES}-byte blocks")
+        K = nb // BLOCK_BYTES * QK_K
+        if k is not None and k != K:
+            raise ValueError(f"q4_k: rows of {nb} bytes hold K={K} weights, not K={k}")
+        lead = tuple(b.shape[:-1])
+        S = K // QK_K
+        r = b.reshape(-1, S, BLOCK_BYTES)
+        R = r.shape[0]
+        d = r[..., 0:2].contiguous().view(torch.float16).reshape(*lead, S)
+        dmin = r[..., 2:4].contiguous().view(torch.float16).reshape(*lead, S)
+        ls, lm = unpack_scale_min_k4(r[..., 4:16])
+        codes = unpack_split_halves(r[..., 16:].reshape(R, S * 128), 64)
+        return PackedTensor(format=self.name, shape=lead + (K,), codes=codes.reshape(*lead, K),
+                            scales=torch.stack([ls, lm], dim=-1).reshape(*lead, K // SUB, 2),
+                            global_scale=None, extra={"d": d, "dmin": dmin})
+
+    def clip_mask(self, x: torch.Tensor, p: PackedTensor) -> torch.Tensor:
+        """True where x lies in [-(dmin*lm), (d*ls)*15 - dmin*lm] of its sub-block."""
+        shape = tuple(p.shape)
+        K = shape[-1]
+        d = p.extra["d"].float().reshape(-1, K // QK_K, 1)
+        dmin = p.extra["dmin"].float().reshape(-1, K // QK_K, 1)
+        sc = p.scales.reshape(-1, K // QK_K, NSUB, 2)
+        dl = (d * sc[..., 0].float())[..., None]
+        ml = (dmin * sc[..., 1].float())[..., None]
+        lo = -ml
+        hi = dl * 15.0 - ml
+        xv = x.detach().float().reshape(-1, K // QK_K, NSUB, SUB)
+        return ((xv >= lo) & (xv <= hi)).reshape(shape)
+
+
+register(Q4K(SPEC))
