@@ -1,0 +1,97 @@
+"""DESIGN rule 2, for every registered format at once: numpy reference == torch emulator, bit for bit,
+dequantize agrees, fake_quantize == dequantize(quantize) in the input dtype, shape errors name the fallback.
+A new format registered tomorrow is checked here without writing a line. (Each format's own test file
+compares against its independent oracle; this one guards the contract the rest of the package relies on.)"""
+import numpy as np
+import pytest
+import torch
+
+from qatfactory.formats import get_format, list_formats
+
+FORMATS = list_formats()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _data(fmt, seed=0):
+    k = max(256, fmt.spec.super_block)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, k, generator=g) * 0.05
+    x[1] = torch.distributions.StudentT(2.0).sample((k,)) * 0.02  # heavy tail
+    x[2] = 0.0                                                     # zero row
+    x[3] = x[3].abs()                                              # all positive
+    x[4] *= 1e-6                                                   # tiny
+    x[5] *= 1e3                                                    # huge
+    return x
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+    bad = np.argwhere(a != b)
+    r, c = bad[0][:-1], bad[0][-1]
+    return f"first difference at row {tuple(r)} byte {c}: reference {a[tuple(bad[0])]:#04x} vs emulator {b[tuple(bad[0])]:#04x} ({len(bad)} bytes differ)"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_reference_equals_emulator(name):
+    f = get_format(name)
+    x = _data(f)
+    ref = f.quantize_ref(x.numpy())
+    p = f.quantize(x)
+    emu = f.to_bytes(p)
+    assert ref.dtype == np.uint8 and emu.dtype == np.uint8
+    assert ref.shape == emu.shape
+    assert np.array_equal(ref, emu), f"{name}: " + _first_diff(ref, emu)
+    assert p.shape == tuple(x.shape)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_bytes_round_trip_and_dequantize(name):
+    f = get_format(name)
+    x = _data(f, seed=1)
+    p = f.quantize(x)
+    y = f.dequantize(p)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert torch.isfinite(y).all(), f"{name}: dequantize produced non-finite values on finite input"
+    kw = {"global_scale": p.global_scale} if p.global_scale is not None else {}
+    q = f.from_bytes(f.to_bytes(p), x.shape[-1], **kw)
+    assert torch.equal(f.dequantize(q), y), f"{name}: from_bytes(to_bytes(p)) decodes differently"
+    # error bounded by the format: never worse than the block max
+    assert (y - x).abs().max() <= x.abs().max() + 1e-12
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_contract(name, dtype):
+    f = get_format(name)
+    x = _data(f, seed=2).to(dtype).requires_grad_(True)
+    y = f.fake_quantize(x)
+    assert y.dtype == dtype
+    expect = f.dequantize(f.quantize(x.detach())).to(dtype)
+    assert torch.equal(y.detach(), expect)
+    y.float().sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x)), f"{name}: identity STE must pass the gradient unchanged"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_bad_last_dim_names_format_block_and_fallback(name):
+    f = get_format(name)
+    k = f.spec.super_block + f.spec.block_size // 2 if f.spec.block_size > 1 else 3
+    with pytest.raises(ValueError) as e:
+        f.quantize(torch.randn(2, k))
+    msg = str(e.value)
+    assert name in msg and str(f.spec.super_block) in msg
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_spec_is_complete(name):
+    s = get_format(name).spec
+    for fld in ("engine", "element", "scale_codec", "scale_rule", "tie_rule", "nibble_order", "oracle"):
+        assert getattr(s, fld), f"{name}: spec field {fld} is empty"
+    assert s.super_block % s.block_size == 0 and s.bytes_per_block > 0
+    assert 4.0 <= s.bits_per_weight <= 8.5
