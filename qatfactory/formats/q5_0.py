@@ -206,8 +206,11 @@ class Q5_0(Format):
     def _signed_absmax(xb: torch.Tensor) -> torch.Tensor:
         """Signed value at the first position of the largest |x| (ggml's strict '<' scan)."""
         a = xb.abs()
-        first = (a == a.amax(dim=1, keepdim=True)).int().argmax(dim=1, keepdim=True)
-        return xb.gather(1, first).squeeze(1)
+        amax = a.amax(dim=1, keepdim=True)
+        first = (a == amax).int().argmax(dim=1, keepdim=True)
+        # C starts from max = +0.0f and never updates it when every |x| is 0, so an all -0.0
+        # block gives d = +0/-16 = -0.0 (fp16 0x8000), not the -0.0 element itself
+        return torch.where(amax.squeeze(1) == 0, torch.zeros_like(amax.squeeze(1)), xb.gather(1, first).squeeze(1))
 
     @staticmethod
     def _levels(xb: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -416,3 +416,18 @@ def test_cuda_emulator_matches_reference(fmt):
         assert_bytes_equal(f.to_bytes(f.quantize(xb)), f.quantize_ref(xb.float().cpu().numpy()), fmt,
                            f"{what}: CUDA bf16")
     assert total >= 1_000_000
+
+
+@pytest.mark.parametrize("name", ["q5_0", "q8_0", "q6_k"])
+def test_signed_zero_blocks_match_libggml(name):
+    """All -0.0 blocks: C starts its running max at +0.0f, so the stored scale's sign comes from
+    that constant, not from the data (q5_0 stores d = +0/-16 = -0.0)."""
+    import ggml_oracle
+    f = get_format(name)
+    k = f.spec.super_block
+    x = torch.full((3, k), -0.0)
+    x[1] = 0.0
+    x[2, : k // 2] = 0.0
+    ref = ggml_oracle.quantize(x.numpy(), name)
+    assert np.array_equal(f.to_bytes(f.quantize(x)), ref)
+    assert np.array_equal(f.quantize_ref(x.numpy()), ref)
