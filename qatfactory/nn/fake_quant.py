@@ -24,6 +24,7 @@ from torch import nn
 
 from ..formats import get_format
 from ..formats import codecs as C
+from .. import kernels
 
 # formats whose block scale is one byte on a grid we can round a learned float onto
 _GRID_CODECS = ("e4m3", "e8m0")
@@ -207,8 +208,9 @@ class WeightQuantizer(nn.Module):
             grid = scale_grid(fmt)
             gs = 1.0 / math.sqrt(fmt.spec.block_size * E2M1_QMAX)
             return _LSQ.apply(w3, self.scale, self.gscale, amax, fmt, grid, gs)
-        return fmt.fake_quantize(w3, ste=self.ste, **quant_kwargs(fmt, amax=amax, scales=self.scale_bytes(),
-                                                                   imatrix=self._imatrix()))
+        # the fused CUDA kernel on GPU, the format's torch emulator elsewhere (bit-identical)
+        return kernels.fake_quantize(w3, fmt.name, ste=self.ste, **quant_kwargs(
+            fmt, amax=amax, scales=self.scale_bytes(), imatrix=self._imatrix()))
 
     @torch.no_grad()
     def pack(self, w3: torch.Tensor, g: int, r0: int, r1: int, amax_dyn: Optional[torch.Tensor] = None):
@@ -261,5 +263,5 @@ class ActQuantizer(nn.Module):
                 raise RuntimeError(f"{self.owner or 'ActQuantizer'}: W4A4 activation format {self.fmt_name!r} uses "
                                    f"a static calibrated amax, which is not set; run "
                                    f"qatfactory.quantize.calibrate(model, batches) first")
-            return fmt.fake_quantize(x, amax=self.amax)
-        return fmt.fake_quantize(x)
+            return kernels.fake_quantize(x, fmt.name, amax=self.amax)
+        return kernels.fake_quantize(x, fmt.name)
