@@ -1,0 +1,154 @@
+"""Training step time on one GPU: bf16 SFT vs QAT (W4A16, W4A4), QAD (live, cached teacher), LoRA-QAD.
+
+    python benchmarks/step.py                      # all variants, markdown table on stdout
+    python benchmarks/step.py --steps 12 --format nvfp4 --out benchmarks/step.json
+
+Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
+batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss.
+Each variant runs in its own process (clean peak-memory numbers) through the real trainer
+(qatfactory.train.engine.run); the first --warmup steps are excluded from the timings.
+Not a test: nothing is asserted; the lead runs it on an H200 and copies the table to RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODEL = ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=32000", "model.tiny.hidden_size=2048",
+         "model.tiny.intermediate_size=5632", "model.tiny.num_hidden_layers=16", "model.tiny.num_attention_heads=16",
+         "model.tiny.num_key_value_heads=8", "model.tiny.tie_word_embeddings=false"]
+
+
+def variants(fmt: str):
+    w16, w4 = f"format={fmt}_w4a16", f"format={fmt}_w4a4"
+    return {
+        "bf16 SFT (no quant, CE)": ["method=qat", "format=bf16", "method.eval_teacher=false"],
+        "QAT W4A16 (CE)": ["method=qat", w16, "method.eval_teacher=false"],
+        "QAT W4A4 (CE)": ["method=qat", w4, "method.eval_teacher=false"],
+        "QAD W4A16 live teacher": ["method=qad", w16],
+        "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
+        "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
+    }
+
+
+def one(name: str, over, args) -> dict:
+    import torch
+    from qatfactory.train.config import compose
+    from qatfactory.train.engine import run
+    run_dir = Path(args.workdir) / name.split(" (")[0].replace(" ", "_")
+    n = args.steps * 4
+    cfg = compose(MODEL + list(over) + [
+        f"run_dir={run_dir}", "data.synthetic=%d" % n, "data.seq_len=2048", "data.eval_samples=1",
+        "train.micro_batch=4", "train.grad_accum=1", "train.precision=bf16", "train.optimizer=adamw_fused",
+        "train.zero_stage=0", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_samples=1",
+        "train.save_final=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
+        "train.device=cuda", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"])
+    torch.cuda.reset_peak_memory_stats()
+    s = run(cfg)
+    s.pop("engine").destroy()
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "step_ms" in r and r["step"] > args.warmup]
+    ms = statistics.median(r["step_ms"] for r in steps)
+    return {"variant": name, "ms_per_step": ms, "tokens_per_s": 4 * 2048 / (ms / 1000.0),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "steps_timed": len(steps),
+            "final_loss": steps[-1]["loss"] if steps else None}
+
+
+def loss_memory(args) -> int:
+    """Chunked vs naive KD loss alone: peak memory and time of forward+backward at a Llama-3 vocabulary."""
+    import time
+    import torch
+    from qatfactory.distill.losses import LiveTeacherOut, LossConfig, lm_loss, naive_lm_loss
+    n, h, v = 4 * 2048, 4096, 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hs = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    th = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16()
+    tw = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16()
+    t = LiveTeacherOut(th, tw)
+    rows = []
+    for name, fn in [("naive (full fp32 logits)", naive_lm_loss)] + [
+            (f"chunked, {c} tokens/chunk", lm_loss) for c in (1024, 4096)]:
+        cfg = LossConfig(chunk_tokens=1024 if "1024" in name else 4096)
+        for rep in range(3):
+            hs.grad = w.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                fn(hs, w, teacher=t, cfg=cfg).backward()
+                torch.cuda.synchronize()
+                ms, peak = (time.perf_counter() - t0) * 1000, (torch.cuda.max_memory_allocated() - base) / 2**30
+            except torch.OutOfMemoryError:
+                ms, peak = float("nan"), float("inf")
+        rows.append((name, ms, peak))
+    print(f"\nKD loss (forward KL) forward+backward, {n} tokens, hidden {h}, vocab {v}, bf16 inputs\n")
+    print("| loss | ms | peak extra memory (GiB) |\n|---|---:|---:|")
+    for name, ms, peak in rows:
+        print(f"| {name} | {ms:.1f} | {peak:.2f} |")
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    ap.add_argument("--chunk", type=int, default=2048, help="loss chunk (tokens)")
+    ap.add_argument("--only", default=None, help="run one variant (internal: used by the parent process)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
+    args = ap.parse_args()
+    if args.loss:
+        return loss_memory(args)
+    # DeepSpeed's op builder cannot parse "9.0a" (the H200 image's default); FusedAdam needs a plain arch
+    if os.environ.get("TORCH_CUDA_ARCH_LIST", "").endswith("a"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ["TORCH_CUDA_ARCH_LIST"].rstrip("a")
+    vs = variants(args.format)
+    if args.only is not None:
+        print("ROW " + json.dumps(one(args.only, vs[args.only], args)), flush=True)
+        return 0
+    work = args.workdir or tempfile.mkdtemp(prefix="qf-step-bench-")
+    rows = []
+    for name in vs:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
+               "--chunk", str(args.chunk)]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
+        if p.returncode != 0 or not line:
+            rows.append({"variant": name, "error": (p.stderr or p.stdout)[-400:].replace("\n", " ")})
+            print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
+        rows.append(json.loads(line[-1][4:]))
+        print(f"[bench] {name}: {rows[-1]['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+    base = next((r for r in rows if "ms_per_step" in r), None)
+    print(f"\nstep time, random Llama hidden 2048 x 16 layers, batch 4 x 2048, bf16, fused AdamW, "
+          f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}\n")
+    print("| variant | ms/step | tokens/s | vs bf16 SFT | peak memory (GiB) |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed | | | {r['error'][:80]} |")
+            continue
+        rel = r["ms_per_step"] / base["ms_per_step"] if base else float("nan")
+        print(f"| {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | "
+              f"{r['peak_mem_gib']:.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

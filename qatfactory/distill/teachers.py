@@ -1,0 +1,212 @@
+"""Teachers: a live frozen model, or a top-k cache written once by a precompute pass.
+
+Live: the teacher runs beside the student (same tokenizer), frozen, in bf16, without optimizer
+state. Under ZeRO-3 it is partitioned like the student by a second ``deepspeed.initialize`` with no
+optimizer; its lm_head weight is gathered only while the student's loss reads it.
+
+Cached: :func:`precompute_topk` runs the teacher once over the packed training samples and writes,
+per token, the ``k`` largest log-probabilities (temperature 1, normalised over the whole vocabulary)
+and their indices to sharded safetensors. Training then reads them by sample id and the teacher is
+never loaded; :mod:`qatfactory.distill.losses` documents how the loss renormalises over the top-k set.
+
+Cache layout (a directory, written to a temp dir and renamed, so a crash leaves no half cache)::
+
+    meta.json                   {"k", "seq_len", "n_samples", "vocab", "fingerprint", "shards": [...],
+                                 "logprob_dtype", "teacher"}
+    shard-00000.safetensors     logprobs [n, seq_len, k] (float32 or bfloat16), indices [n, seq_len, k]
+                                int32, sample_ids [n] int64 (consecutive)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from .losses import LiveTeacherOut, TopKTeacherOut
+
+
+def split_causal_lm(model: nn.Module):
+    """(backbone, head) of a Hugging Face causal LM: the module returning final hidden states
+    (after the last norm) and the output projection."""
+    base = model
+    if hasattr(base, "get_base_model") and callable(base.get_base_model):   # peft
+        base = base.get_base_model()
+    prefix = getattr(base, "base_model_prefix", "model")
+    backbone = getattr(base, prefix, None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if backbone is None or head is None:
+        raise ValueError(f"{type(base).__name__}: expected a causal LM with .{prefix} (the decoder) and an "
+                         f"output embedding (lm_head)")
+    return backbone, head
+
+
+def head_weight(head: nn.Module) -> Optional[torch.Tensor]:
+    """The weight to multiply hidden states by, or None when the head is not a plain Linear without
+    bias (a quantized or biased head then runs its own forward on the full hidden states)."""
+    if type(head) is nn.Linear and head.bias is None:
+        return head.weight
+    return None
+
+
+class HiddenStates(nn.Module):
+    """Wraps a causal LM so that forward returns the final hidden states (what DeepSpeed wraps for
+    a ZeRO-3 teacher: its hooks then gather the backbone's parameters layer by layer)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.backbone, self.head = split_causal_lm(lm)
+
+    def forward(self, input_ids, attention_mask=None):
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if head_weight(self.head) is None:
+            return self.head(h)
+        return h
+
+
+@contextlib.contextmanager
+def gathered(params: List[torch.Tensor]):
+    """Full values of ZeRO-3 partitioned parameters for reading (no-op for ordinary tensors)."""
+    zparams = [p for p in params if hasattr(p, "ds_id")]
+    if not zparams:
+        yield
+        return
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(zparams, modifier_rank=None):
+        yield
+
+
+class LiveTeacher:
+    """A frozen teacher model. ``zero3_config``: a DeepSpeed config dict to partition it (ZeRO-3)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 zero3_config: Optional[dict] = None):
+        model.requires_grad_(False)
+        model.eval()
+        self.module = HiddenStates(model)
+        self.engine = None
+        self.device = torch.device(device)
+        if zero3_config is not None:
+            import deepspeed
+            cfg = dict(zero3_config)
+            cfg.pop("optimizer", None)
+            cfg.pop("scheduler", None)
+            self.engine, *_ = deepspeed.initialize(model=self.module, config=cfg)
+            self.engine.eval()
+            self.device = self.engine.device
+        else:
+            self.module.to(device=device, dtype=dtype)
+
+    @contextlib.contextmanager
+    def outputs(self, input_ids, attention_mask=None):
+        """Yield a LiveTeacherOut for the batch; the head weight stays gathered inside the block."""
+        with torch.no_grad():
+            runner = self.engine if self.engine is not None else self.module
+            h = runner(input_ids.to(self.device),
+                       None if attention_mask is None else attention_mask.to(self.device))
+        w = head_weight(self.module.head)
+        if w is None:
+            yield LiveTeacherOut(h, None)
+            return
+        with gathered([w]):
+            yield LiveTeacherOut(h, w.detach())
+
+
+class CachedTeacher:
+    """Reads a top-k cache; ``get(sample_ids)`` gives the TopKTeacherOut of those samples."""
+
+    def __init__(self, path: str, expect_fingerprint: Optional[str] = None, seq_len: Optional[int] = None):
+        self.path = Path(path)
+        meta_p = self.path / "meta.json"
+        if not meta_p.exists():
+            raise FileNotFoundError(f"teacher cache: {meta_p} not found; run the precompute pass "
+                                    f"(method.teacher=cached writes it when missing)")
+        self.meta = json.loads(meta_p.read_text())
+        if expect_fingerprint is not None and self.meta["fingerprint"] != expect_fingerprint:
+            raise ValueError(f"teacher cache {self.path} was computed for other data (fingerprint "
+                             f"{self.meta['fingerprint']}, this run's data {expect_fingerprint}); "
+                             f"delete it or point method.teacher_cache elsewhere")
+        if seq_len is not None and int(self.meta["seq_len"]) != int(seq_len):
+            raise ValueError(f"teacher cache seq_len={self.meta['seq_len']} but data.seq_len={seq_len}")
+        from safetensors.torch import load_file
+        self._shards = []
+        for name in self.meta["shards"]:
+            t = load_file(str(self.path / name))
+            self._shards.append((int(t["sample_ids"][0]), int(t["sample_ids"][-1]) + 1, t))
+        self.k = int(self.meta["k"])
+
+    def get(self, sample_ids) -> TopKTeacherOut:
+        lps, idxs = [], []
+        for s in torch.as_tensor(sample_ids).tolist():
+            for a, b, t in self._shards:
+                if a <= s < b:
+                    lps.append(t["logprobs"][s - a])
+                    idxs.append(t["indices"][s - a])
+                    break
+            else:
+                raise IndexError(f"teacher cache {self.path}: sample {s} not present "
+                                 f"(n_samples={self.meta['n_samples']})")
+        return TopKTeacherOut(torch.stack(lps).float(), torch.stack(idxs).long())
+
+
+@torch.no_grad()
+def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_size: int = 4,
+                    shard_samples: int = 256, chunk_tokens: int = 1024, logprob_dtype: str = "float32",
+                    teacher_name: str = "", vocab: Optional[int] = None) -> Path:
+    """Write the top-k cache for ``samples`` (a data.Samples) to ``out_dir`` atomically."""
+    if k < 1:
+        raise ValueError(f"precompute_topk: k={k}; allowed: an int >= 1")
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(logprob_dtype)
+    if dt is None:
+        raise ValueError(f"precompute_topk: logprob_dtype={logprob_dtype!r}; allowed: ['float32', 'bfloat16']")
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        shards: List[str] = []
+        n = len(samples)
+        L = samples.input_ids.shape[1]
+        for s0 in range(0, n, shard_samples):
+            s1 = min(n, s0 + shard_samples)
+            lp_all = torch.empty(s1 - s0, L, k, dtype=dt)
+            ix_all = torch.empty(s1 - s0, L, k, dtype=torch.int32)
+            for b0 in range(s0, s1, batch_size):
+                b1 = min(s1, b0 + batch_size)
+                with teacher.outputs(samples.input_ids[b0:b1], samples.attn[b0:b1]) as t:
+                    h = t.hidden.reshape(-1, t.hidden.shape[-1])
+                    rows_lp, rows_ix = [], []
+                    for c in range(0, h.shape[0], chunk_tokens):
+                        z = (h[c:c + chunk_tokens] @ t.weight.t() if t.weight is not None
+                             else h[c:c + chunk_tokens]).float()
+                        if k > z.shape[-1]:
+                            raise ValueError(f"precompute_topk: k={k} exceeds the vocabulary {z.shape[-1]}")
+                        vocab = z.shape[-1]
+                        v, i = torch.log_softmax(z, -1).topk(k, dim=-1)
+                        rows_lp.append(v)
+                        rows_ix.append(i)
+                lp_all[b0 - s0:b1 - s0] = torch.cat(rows_lp).view(b1 - b0, L, k).to(dt)
+                ix_all[b0 - s0:b1 - s0] = torch.cat(rows_ix).view(b1 - b0, L, k).to(torch.int32)
+            name = f"shard-{len(shards):05d}.safetensors"
+            save_file({"logprobs": lp_all.contiguous(), "indices": ix_all.contiguous(),
+                       "sample_ids": torch.arange(s0, s1, dtype=torch.int64)}, str(tmp / name))
+            shards.append(name)
+        meta = {"k": int(k), "seq_len": int(L), "n_samples": int(n), "vocab": vocab,
+                "fingerprint": samples.fingerprint(), "shards": shards, "logprob_dtype": logprob_dtype,
+                "teacher": teacher_name,
+                "renormalisation": "teacher softmax(l/tau) over the top-k set; see qatfactory.distill.losses"}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,219 @@
+"""Typed run configuration: dataclasses registered in Hydra's ConfigStore, composed from recipes/.
+
+    qatfactory train method=qad format=nvfp4_w4a16 model=smollm2_135m train.max_steps=200
+
+Groups (recipes/<group>/<name>.yaml): ``model`` -> ``model``, ``format`` -> ``quant`` (a
+:class:`qatfactory.quantize.QuantConfig`), ``method`` -> ``method`` (may also set ``train``/``quant``
+keys through ``@package _global_``), ``train`` -> ``train``, ``export`` -> ``export``. Every value is
+checked twice: by OmegaConf against these types while composing, and by :func:`validate` for
+ranges and choices, with errors naming the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..distill.losses import LossConfig
+from ..quantize import QuantConfig
+from .data import DataConfig
+
+METHODS = ("ptq", "qat", "qad", "qad_lora")
+TEACHERS = ("live", "cached")
+SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("bf16", "fp32")
+OPTIMIZERS = ("adamw_torch", "adamw_fused")
+NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
+MODEL_DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass
+class TinyModelConfig:
+    """A random Llama for tests and smoke runs (no download)."""
+
+    vocab_size: int = 259          # the ByteTokenizer's vocabulary
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02   # larger: peakier random outputs (a teacher worth distilling)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_llama"
+    path: Optional[str] = None       # a local HF model directory
+    asset: Optional[str] = None      # a packaged asset turned into a local dir once (qatfactory.assets)
+    tokenizer: Optional[str] = None  # defaults to path; tiny models use the byte tokenizer
+    dtype: str = "bfloat16"          # weight dtype when loaded (fp32 for exact CPU tests)
+    init_seed: int = 0               # tiny models only
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class MethodConfig:
+    """ptq: calibrate and evaluate; qat: CE on the labels; qad: KL to the teacher; qad_lora: qad
+    with LoRA adapters on the frozen fake-quantized base (quant.lora.rank > 0)."""
+
+    name: str = "qad"
+    loss: LossConfig = field(default_factory=LossConfig)
+    teacher: str = "live"             # live | cached
+    teacher_path: Optional[str] = None   # default: the model itself before quantization
+    teacher_cache: Optional[str] = None  # default: <run_dir>/teacher_cache
+    topk: int = 64
+    cache_dtype: str = "float32"
+    calibrate: bool = True
+    calib_samples: int = 8
+    eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
+
+
+@dataclass
+class TrainConfig:
+    zero_stage: int = 0
+    precision: str = "bf16"
+    optimizer: str = "adamw_torch"    # adamw_fused: DeepSpeed's FusedAdam (GPU only)
+    lr: float = 5e-6                  # the QAD default: a small constant rate
+    schedule: str = "constant"        # constant | cosine (warmup then cosine to min_lr_ratio * lr)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_steps: int = 100
+    micro_batch: int = 1
+    grad_accum: int = 1
+    clip: float = 1.0
+    grad_ckpt: bool = False
+    eval_every: int = 50              # 0: only at the start and the end
+    eval_samples: int = 0             # 0: all held-out samples
+    save_every: int = 0               # 0: only at the end
+    save_final: bool = True           # checkpoint at the end of the run (benchmarks turn it off)
+    save_student: bool = True         # <run_dir>/student: quantize.save_student (input of `qatfactory export`)
+    keep_last: int = 2
+    log_every: int = 1
+    seed: int = 0
+    device: str = "auto"              # auto | cpu | cuda
+    progress: bool = True
+    plots: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = False
+    engine: str = "vllm"              # vllm | sglang | llama_cpp
+    flavour: Optional[str] = None
+    out_dir: Optional[str] = None     # default: <run_dir>/export-<engine>
+    verify: bool = True               # reload the export with the engine's loader and compare (parity gate)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    run_dir: Optional[str] = None     # default: runs/<method>-<format>-<time>
+    resume: Optional[str] = None      # "auto" (latest in run_dir) or a checkpoint directory
+
+
+def _choice(fld: str, v, allowed):
+    if v not in allowed:
+        raise ValueError(f"{fld}={v!r}; allowed: {list(allowed)}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Ranges and choices that the types cannot say; returns cfg."""
+    m, t = cfg.method, cfg.train
+    _choice("method.name", m.name, METHODS)
+    _choice("method.teacher", m.teacher, TEACHERS)
+    _choice("train.schedule", t.schedule, SCHEDULES)
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _choice("train.zero_stage", t.zero_stage, (0, 1, 2, 3))
+    _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("model.dtype", cfg.model.dtype, MODEL_DTYPES)
+    _choice("export.engine", cfg.export.engine, ("vllm", "sglang", "llama_cpp"))
+    for fld in ("max_steps", "micro_batch", "grad_accum", "keep_last", "log_every"):
+        if int(getattr(t, fld)) < 1:
+            raise ValueError(f"train.{fld}={getattr(t, fld)!r}; allowed: an int >= 1")
+    for fld in ("eval_every", "eval_samples", "save_every", "warmup_steps"):
+        if int(getattr(t, fld)) < 0:
+            raise ValueError(f"train.{fld}={getattr(t, fld)!r}; allowed: an int >= 0")
+    if not t.lr > 0:
+        raise ValueError(f"train.lr={t.lr!r}; allowed: a number > 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ValueError(f"train.min_lr_ratio={t.min_lr_ratio!r}; allowed: 0..1")
+    if len(t.betas) != 2:
+        raise ValueError(f"train.betas={list(t.betas)!r}; allowed: two numbers")
+    if m.topk < 1:
+        raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
+    if m.name in ("qad", "qad_lora") and not m.loss.needs_teacher:
+        raise ValueError(f"method.name={m.name!r} with method.loss.kind='ce'; qad distills from a teacher: "
+                         f"use forward_kl / reverse_kl / jsd, or method=qat for CE")
+    if m.name == "qat" and m.loss.needs_teacher:
+        raise ValueError(f"method.name='qat' trains on CE; method.loss.kind={m.loss.kind!r} needs a teacher "
+                         f"(use method=qad)")
+    if m.name == "qad_lora" and cfg.quant.lora.rank < 1:
+        raise ValueError("method.name='qad_lora' needs quant.lora.rank >= 1 (the LoRA rank)")
+    if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
+        raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
+                         f"(model.path=/path/to/hf_dir)")
+    if cfg.quant.weight_format not in NO_QUANT:
+        cfg.quant.validate()
+    return cfg
+
+
+def recipes_dir() -> Path:
+    env = os.environ.get("QATFACTORY_RECIPES")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "recipes", here.parents[1] / "recipes"):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError("recipes/ not found next to the package; set QATFACTORY_RECIPES to its path")
+
+
+_STORED = False
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore (once)."""
+    global _STORED
+    if _STORED:
+        return
+    from hydra.core.config_store import ConfigStore
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    _STORED = True
+
+
+def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
+    """Compose recipes/ with command-line style overrides into a validated RunConfig."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        node = hcompose(config_name=config_name, overrides=list(overrides or []))
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
+    return validate(OmegaConf.to_object(node))
+
+
+def to_dict(cfg: RunConfig) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: Dict[str, Any]) -> RunConfig:
+    from omegaconf import OmegaConf
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d))
+    return validate(OmegaConf.to_object(node))

@@ -1,0 +1,124 @@
+"""Run logs: JSONL (always), TensorBoard (when installed), a progress bar, PNG plots and a summary."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+
+def memory_gb() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # Linux: KiB
+
+
+class RunLogger:
+    """Rank 0 writes; other ranks hold a silent logger."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, progress: bool = True,
+                 total: int = 0, start: int = 0):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.tb = None
+        self.bar = None
+        if not enabled:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:
+                print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
+                      "(pip install tensorboard for TensorBoard logs)", flush=True)
+        if progress and total > start:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records of steps the resumed run will redo."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        os.replace(tmp, self.path)
+
+    def log(self, rec: Dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def progress(self, n: int, **post) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in post.items()},
+                                 refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir) -> List[Dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+def plot_curves(run_dir) -> List[Path]:
+    """PNG plots of the training loss / lr and the eval metrics; returns the written paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = read_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    groups = {"train": ["loss", "lr", "tokens_per_s"], "eval": ["eval/kl", "eval/ce", "eval/top1"]}
+    for name, keys in groups.items():
+        keys = [k for k in keys if any(k in r for r in recs)]
+        if not keys:
+            continue
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
+        for ax, k in zip(axes[0], keys):
+            pts = [(r["step"], r[k]) for r in recs if k in r and r[k] is not None and math.isfinite(r[k])]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if name == "eval" else None, ms=3)
+            ax.set_title(k)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        p = out_dir / f"{name}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def summary_text(summary: Dict) -> str:
+    lines = [f"run: {summary['run_dir']}",
+             f"method={summary['method']} format={summary['format']} steps={summary['steps']} "
+             f"tokens={summary['tokens']} time={summary['time_s']:.1f}s"]
+    first, last = summary.get("eval_first"), summary.get("eval_last")
+    if first:
+        lines.append(f"{'':14s}{'start':>12s}{'end':>12s}")
+        for k in ("kl", "ce", "ppl", "top1"):
+            a = first.get(f"eval/{k}")
+            b = (last or {}).get(f"eval/{k}")
+            fa = "-" if a is None else f"{a:.5g}"
+            fb = "-" if b is None else f"{b:.5g}"
+            lines.append(f"{'eval/' + k:14s}{fa:>12s}{fb:>12s}")
+    return "\n".join(lines)

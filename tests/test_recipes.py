@@ -1,0 +1,80 @@
+"""Every YAML under recipes/ composes against the typed schema; bad values fail by name."""
+from pathlib import Path
+
+import pytest
+
+from qatfactory.quantize import QuantConfig
+from qatfactory.train.config import RunConfig, compose, recipes_dir
+
+# options whose mandatory (???) fields a user must give
+NEEDS = {("model", "local"): ["model.path=/models/x"], ("data", "files"): ["data.train=[a.txt]"]}
+
+
+def _options():
+    r = recipes_dir()
+    for g in sorted(p for p in r.iterdir() if p.is_dir()):
+        for y in sorted(g.glob("*.yaml")):
+            yield g.name, y.stem
+
+
+OPTIONS = list(_options())
+
+
+def test_every_group_has_recipes():
+    groups = {g for g, _ in OPTIONS}
+    assert {"model", "format", "method", "train", "export", "data"} <= groups
+    assert len(OPTIONS) >= 20
+
+
+@pytest.mark.parametrize("group,name", OPTIONS, ids=[f"{g}/{n}" for g, n in OPTIONS])
+def test_recipe_composes(group, name):
+    over = [f"{group}={name}"] + NEEDS.get((group, name), [])
+    cfg = compose(over)
+    assert isinstance(cfg, RunConfig) and isinstance(cfg.quant, QuantConfig)
+    if group == "format":
+        assert cfg.quant.name == name
+    if group == "method":
+        assert cfg.method.name == (name if name != "qad_cached" else "qad")
+
+
+@pytest.mark.parametrize("over,check", [
+    (["method=qad", "format=nvfp4_w4a16"],
+     lambda c: c.method.loss.kind == "forward_kl" and c.train.lr == 5e-6 and c.train.schedule == "constant"),
+    (["method=qad_lora", "format=mxfp4_w4a4"],
+     lambda c: c.quant.lora.rank == 16 and c.quant.act_format == "mxfp4_rceil" and c.method.name == "qad_lora"),
+    (["method=ptq", "format=q4_k"], lambda c: c.quant.weight_format == "q4_k_m" and c.quant.quantize_lm_head),
+    (["method=qad_cached", "train=zero3", "model=smollm2_135m", "export=vllm"],
+     lambda c: c.method.teacher == "cached" and c.train.zero_stage == 3 and c.export.enabled
+     and c.model.asset == "smollm2"),
+])
+def test_documented_combinations(over, check):
+    assert check(compose(over))
+
+
+def test_recipe_files_are_the_groups_of_the_schema():
+    r = recipes_dir()
+    assert (r / "config.yaml").exists()
+    assert Path(r).name == "recipes"
+
+
+@pytest.mark.parametrize("over,msg", [
+    (["method.loss.kind=kl"], r"LossConfig.kind='kl'; allowed: \['forward_kl'"),
+    (["train.zero_stage=4"], r"train.zero_stage=4; allowed: \[0, 1, 2, 3\]"),
+    (["train.schedule=linear"], r"train.schedule='linear'; allowed"),
+    (["method=qat", "method.loss.kind=forward_kl"], r"method.name='qat' trains on CE"),
+    (["method=qad", "method.loss.kind=ce"], r"qad distills from a teacher"),
+    (["format=nvfp4_w4a16", "quant.weight_format=nvfp5"], r"weight_format='nvfp5' is not a registered format"),
+    (["method=qad_lora", "quant.lora.rank=0"], r"needs quant.lora.rank >= 1"),
+    (["data.seq_len=40000"], r"DataConfig.seq_len=40000; allowed: 2..32768"),
+    (["model=local"], r"model.path"),
+])
+def test_bad_values_fail_by_name(over, msg):
+    with pytest.raises(Exception, match=msg):
+        compose(over)
+
+
+def test_unknown_option_and_key_are_refused():
+    with pytest.raises(Exception, match="nope"):
+        compose(["method=nope"])
+    with pytest.raises(Exception, match="not_a_field"):
+        compose(["train.not_a_field=1"])
