@@ -132,7 +132,8 @@ def main():
             print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
         rows.append(json.loads(line[-1][4:]))
-        print(f"[bench] {name}: {rows[-1]['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+        # the whole row as soon as it exists: a run cut short by its time limit still reports it
+        print(f"[bench] {name}: " + json.dumps(rows[-1]), file=sys.stderr, flush=True)
     base = next((r for r in rows if "ms_per_step" in r), None)
     print(f"\nstep time, random Llama hidden 2048 x 16 layers, batch 4 x 2048, bf16, fused AdamW, "
           f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}\n")
