@@ -1,0 +1,536 @@
+"""GGUF files for llama.cpp, written with gguf-py's GGUFWriter from already-quantized blocks.
+
+    out_dir/model.gguf          header, KV metadata (arch, hparams, tokenizer), tensor infos, data
+    out_dir/qatfactory.json     numerics record
+
+Tensor data per packed weight ``[out, in]`` (ggml ``ne = {in, out}``; experts ``{in, out, E}``)::
+
+    q4_k / q5_0 / q6_k / q8_0 / mxfp4_ggml / nvfp4_ggml   format.to_bytes(p): the GGUF blocks as is
+    nvfp4 (ModelOpt numerics)  -> GGML NVFP4 (type 40), 36 B per 64:  [4 x UE4M3 (e4m3 & 0x7F)]
+                                  [4 x 8 B: byte j = code[j] | code[j+8] << 4 inside each 16]
+                                  + F32 ``<name>.scale`` = S (amax/2688; [E] for _exps), multiplied
+                                  by llama.cpp after the matmul; ``<name>.input_scale`` for W4A4
+    mxfp4 (OCP, any scale rule) -> GGML MXFP4 (type 39), 17 B per 32: [E8M0][byte j = code[j] |
+                                  code[j+16] << 4]; written only when gguf-py decodes the repacked
+                                  blocks to exactly the student's values
+
+Norms, routers (ffn_gate_inp) and every 1-D tensor are F32; other dense tensors keep their dtype
+(BF16/F16/F32). Architecture ``llama`` (Llama, Mistral, Mixtral with _exps) permutes the rows
+of q/k for llama.cpp's interleaved RoPE; rows hold whole quant blocks, so packed rows are
+permuted byte-wise. qwen2/qwen3/qwen3moe use NeoX RoPE and are not permuted.
+
+Sources: llama.cpp (commit 0c1e570 as vendored in llama-cpp-python 0.3.36) convert_hf_to_gguf.py,
+conversion/llama.py, qwen.py, src/llama-model.cpp, ggml-common.h; gguf-py 0.19.0 constants.py,
+gguf_writer.py (facts collected in shared/reference/exporters.md section 6).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from qatfactory.formats import ConvertedModel, PackedTensor, get_format
+from qatfactory.formats import codecs as C
+
+from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, is_ggml_variant,
+                   module_of, register_exporter, safetensors_layout, spec_of)
+
+GGUF_NAME = "model.gguf"
+SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml (GGUF blocks as trained); nvfp4 (ModelOpt numerics, "
+             "repacked to GGML NVFP4 + .scale); mxfp4/mxfp4_rceil/mxfp4_even (repacked to GGML MXFP4 when the "
+             "decoded values are identical)")
+
+# HF model_type -> (GGUF architecture, permute q/k rows, BPE pre-tokenizer name llama.cpp knows)
+ARCHS = {
+    "llama": ("llama", True, "llama-bpe"),
+    "mistral": ("llama", True, "llama-bpe"),
+    "mixtral": ("llama", True, "llama-bpe"),
+    "qwen2": ("qwen2", False, "qwen2"),
+    "qwen3": ("qwen3", False, "qwen2"),
+    "qwen3_moe": ("qwen3moe", False, "qwen2"),
+}
+
+_LAYER_MAP = [
+    (r"input_layernorm\.weight", "attn_norm.weight"),
+    (r"post_attention_layernorm\.weight", "ffn_norm.weight"),
+    (r"self_attn\.q_proj\.(weight|bias)", r"attn_q.\1"),
+    (r"self_attn\.k_proj\.(weight|bias)", r"attn_k.\1"),
+    (r"self_attn\.v_proj\.(weight|bias)", r"attn_v.\1"),
+    (r"self_attn\.o_proj\.(weight|bias)", r"attn_output.\1"),
+    (r"self_attn\.q_norm\.weight", "attn_q_norm.weight"),
+    (r"self_attn\.k_norm\.weight", "attn_k_norm.weight"),
+    (r"mlp\.gate_proj\.weight", "ffn_gate.weight"),
+    (r"mlp\.up_proj\.weight", "ffn_up.weight"),
+    (r"mlp\.down_proj\.weight", "ffn_down.weight"),
+    (r"(?:mlp|block_sparse_moe)\.gate\.weight", "ffn_gate_inp.weight"),
+    (r"mlp\.shared_expert\.gate_proj\.weight", "ffn_gate_shexp.weight"),
+    (r"mlp\.shared_expert\.up_proj\.weight", "ffn_up_shexp.weight"),
+    (r"mlp\.shared_expert\.down_proj\.weight", "ffn_down_shexp.weight"),
+    (r"mlp\.shared_expert_gate\.weight", "ffn_gate_inp_shexp.weight"),
+]
+_EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str) -> Tuple[str, Optional[int]]:
+    """(GGUF tensor name, expert index or None) for an HF on-disk name; ExportError if unknown."""
+    if hf_name in _TOP:
+        return _TOP[hf_name], None
+    m = _EXPERT_RE.match(hf_name)
+    if m:
+        proj = m.group(3)
+        if proj not in _EXPERT_PROJ:
+            raise ExportError(f"{hf_name}: unknown expert projection {proj!r}")
+        return f"blk.{m.group(1)}.{_EXPERT_PROJ[proj]}.weight", int(m.group(2))
+    m = _LAYER_RE.match(hf_name)
+    if m:
+        for pat, rep in _LAYER_MAP:
+            if re.fullmatch(pat, m.group(2)):
+                return f"blk.{m.group(1)}." + re.sub(pat, rep, m.group(2)), None
+    raise ExportError(f"{hf_name}: no GGUF tensor name known for it (llama/qwen2/qwen3/qwen3moe/mixtral layouts)")
+
+
+def permute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half row order -> llama.cpp interleaved order, per head; works on float rows
+    and on rows of quant blocks alike (rows move whole)."""
+    rows = a.shape[0]
+    if rows % (2 * n_head):
+        raise ExportError(f"q/k rows={rows} not divisible by 2*n_head={2 * n_head}")
+    return a.reshape(n_head, 2, rows // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
+    rows = a.shape[0]
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+# ------------------------------------------------------------------------------ repacking
+def nvfp4_to_ggml_blocks(p: PackedTensor) -> np.ndarray:
+    """Pairs-packed E2M1 + E4M3 [rows, K/16] -> GGML NVFP4 blocks uint8 [rows, K/64*36]."""
+    codes = C.unpack_pairs_np(p.codes.cpu().numpy())           # [rows, K]
+    rows, k = codes.shape
+    if k % 64:
+        raise ExportError(f"NVFP4 row length {k} is not a multiple of 64 (the GGML NVFP4 block); llama.cpp "
+                          f"cannot hold this tensor as NVFP4 (keep in_features % 64 == 0, or use another format)")
+    sub = codes.reshape(rows, k // 64, 4, 16)
+    qs = (sub[..., :8] & 0xF) | ((sub[..., 8:] & 0xF) << 4)      # [rows, nb, 4, 8]
+    sc = p.scales.cpu().numpy().reshape(rows, k // 64, 4) & 0x7F  # UE4M3: the sign bit dropped
+    return np.concatenate([sc, qs.reshape(rows, k // 64, 32)], axis=-1).reshape(rows, -1).astype(np.uint8)
+
+
+def mxfp4_to_ggml_blocks(p: PackedTensor) -> np.ndarray:
+    codes = C.unpack_pairs_np(p.codes.cpu().numpy())
+    rows, k = codes.shape
+    blk = codes.reshape(rows, k // 32, 32)
+    qs = (blk[..., :16] & 0xF) | ((blk[..., 16:] & 0xF) << 4)
+    e = p.scales.cpu().numpy().reshape(rows, k // 32, 1)
+    return np.concatenate([e, qs], axis=-1).reshape(rows, -1).astype(np.uint8)
+
+
+def _decode_ggml(blocks: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
+    import gguf
+    return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(ggml_type)).reshape(blocks.shape[0], k)
+
+
+def gguf_layout(name: str, p: PackedTensor) -> Tuple[int, int, Optional[float]]:
+    """(ggml type, bytes per row, per-tensor scale or None) of a packed tensor, without producing
+    its bytes; raises every refusal that needs no decoding."""
+    spec = spec_of(p)
+    k = p.shape[-1]
+    if len(p.shape) != 2:
+        raise ExportError(f"{name}: packed tensors must be 2-D [out, in] (experts per expert), got {p.shape}")
+    if is_ggml_variant(spec):
+        if spec.ggml_type is None:
+            raise NotImplementedError(f"llama_cpp exporter: format {p.format!r} ({name}) has no GGUF type; "
+                                      f"supported: {SUPPORTED}")
+        gs = None if p.global_scale is None else float(torch.as_tensor(p.global_scale, dtype=torch.float32))
+        return int(spec.ggml_type), k // spec.super_block * spec.bytes_per_block, gs
+    lay = safetensors_layout(spec)
+    if lay == "nvfp4":
+        if k % 64:
+            raise ExportError(f"{name}: NVFP4 row length {k} is not a multiple of 64 (the GGML NVFP4 block); "
+                              f"llama.cpp cannot hold this tensor as NVFP4 (keep in_features % 64 == 0, or use "
+                              f"another format)")
+        sc = p.scales
+        # GGML reads the scale byte as UE4M3: no sign bit, and 0x7F decodes to 0 instead of NaN
+        if bool(((sc & 0x80) != 0).any()) or bool(((sc & 0x7F) == 0x7F).any()):
+            raise ExportError(f"{name}: NVFP4 block scales with the sign bit set or NaN (0x7F), which GGML NVFP4 "
+                              f"decodes differently; the student's values cannot be stored in GGUF bit-exactly")
+        return 40, k // 64 * 36, float(torch.as_tensor(p.global_scale, dtype=torch.float32))
+    if lay == "mxfp4":
+        if k % 32:
+            raise ExportError(f"{name}: MXFP4 row length {k} is not a multiple of 32")
+        return 39, k // 32 * 17, None
+    raise NotImplementedError(f"llama_cpp exporter does not support format {p.format!r} ({name}); "
+                              f"supported: {SUPPORTED}")
+
+
+def packed_to_gguf(name: str, p: PackedTensor) -> Tuple[np.ndarray, int, Optional[float]]:
+    """(uint8 [rows, bytes_per_row], ggml type, per-tensor scale or None) for one 2-D packed tensor."""
+    gt, bpr, gs = gguf_layout(name, p)
+    spec = spec_of(p)
+    k = p.shape[-1]
+    if is_ggml_variant(spec):
+        raw = np.ascontiguousarray(get_format(p.format).to_bytes(p), dtype=np.uint8).reshape(p.shape[0], -1)
+    elif gt == 40:
+        raw = nvfp4_to_ggml_blocks(p)
+    else:
+        raw = mxfp4_to_ggml_blocks(p)
+        # the brief's rule for OCP MXFP4: written only when ggml decodes exactly the student's values
+        got = _decode_ggml(raw, 39, k)
+        want = get_format(p.format).dequantize(p).float().numpy().reshape(p.shape[0], k)
+        if not np.array_equal(got, want):
+            bad = int((got != want).sum())
+            raise ExportError(
+                f"{name}: format {p.format!r} repacked into GGML MXFP4 blocks decodes to different values in "
+                f"{bad} elements (e.g. NaN E8M0 scales, which ggml has no encoding for); refusing. Train with "
+                f"mxfp4_ggml for llama.cpp, or export to vLLM/SGLang with compressed-tensors.")
+    if raw.shape != (p.shape[0], bpr):
+        raise ExportError(f"{name}: {p.format} bytes have shape {raw.shape}, expected {(p.shape[0], bpr)}")
+    return raw, gt, gs
+
+
+_FILE_TYPE = {12: "MOSTLY_Q4_K_M", 6: "MOSTLY_Q5_0", 14: "MOSTLY_Q6_K", 8: "MOSTLY_Q8_0",
+              39: "MOSTLY_MXFP4_MOE", 40: "MOSTLY_NVFP4"}
+
+
+# ------------------------------------------------------------------------------ tokenizer
+def _tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], pre_name: str, vocab_size: int,
+                  tokenizer_pre: Optional[str]) -> Dict[str, Any]:
+    """Write tokenizer.ggml.* from the HF tokenizer in source_dir; returns what was written."""
+    src = Path(source_dir) if source_dir else None
+    tj = src / "tokenizer.json" if src else None
+    if tj is None or not tj.is_file():
+        if src is not None and (src / "tokenizer.model").is_file():
+            raise ExportError(f"{src}: only a SentencePiece tokenizer.model is present; write a tokenizer.json "
+                              f"(AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) so the vocabulary can be "
+                              f"transcribed without sentencepiece")
+        # no tokenizer: llama.cpp accepts a vocabulary-less model and uses <arch>.vocab_size
+        writer.add_tokenizer_model("none")
+        return {"model": "none", "reason": "no tokenizer.json in source_dir"}
+    with open(tj) as f:
+        tok = json.load(f)
+    model = tok.get("model", {})
+    if model.get("type") != "BPE":
+        raise NotImplementedError(f"{tj}: tokenizer model type {model.get('type')!r}; the GGUF exporter writes "
+                                  f"BPE vocabularies (byte-level 'gpt2' or byte-fallback 'llama')")
+    vocab: Dict[str, int] = dict(model["vocab"])
+    added = {a["content"]: a for a in tok.get("added_tokens", [])}
+    for content, a in added.items():
+        vocab[content] = a["id"]
+    n = max(vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [5] * n  # unused
+    for t, i in vocab.items():
+        tokens[i] = t
+        a = added.get(t)
+        types[i] = 1 if a is None else (3 if a.get("special") else 4)
+    merges = [" ".join(m) if isinstance(m, (list, tuple)) else m for m in model.get("merges", [])]
+    byte_level = "ByteLevel" in json.dumps(tok.get("pre_tokenizer")) or "ByteLevel" in json.dumps(tok.get("decoder"))
+    if byte_level:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(tokenizer_pre or pre_name)
+        writer.add_token_merges(merges)
+        kind = "gpt2"
+    else:
+        if not model.get("byte_fallback"):
+            raise NotImplementedError(f"{tj}: a BPE tokenizer without byte-level pre-tokenization or byte fallback "
+                                      f"has no llama.cpp tokenizer model")
+        writer.add_tokenizer_model("llama")
+        # SentencePiece-BPE merges by score: earlier ids were merged first in the HF export
+        writer.add_token_scores([-float(i) for i in range(n)])
+        for i, t in enumerate(tokens):
+            if re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+                types[i] = 6
+        unk = model.get("unk_token")
+        if unk in vocab:
+            types[vocab[unk]] = 2
+        kind = "llama"
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    tcfg = {}
+    if (src / "tokenizer_config.json").is_file():
+        with open(src / "tokenizer_config.json") as f:
+            tcfg = json.load(f)
+
+    def tok_id(key, cfg_key):  # noqa: E306
+        t = tcfg.get(key)
+        if isinstance(t, dict):
+            t = t.get("content")
+        if isinstance(t, str) and t in vocab:
+            return vocab[t]
+        v = cfg.get(cfg_key)
+        return v if isinstance(v, int) else None
+
+    ids = {}
+    for key, cfg_key, fn in (("bos_token", "bos_token_id", writer.add_bos_token_id),
+                             ("eos_token", "eos_token_id", writer.add_eos_token_id),
+                             ("pad_token", "pad_token_id", writer.add_pad_token_id),
+                             ("unk_token", None, writer.add_unk_token_id)):
+        i = tok_id(key, cfg_key) if cfg_key else tok_id(key, "__none__")
+        if i is not None:
+            fn(int(i))
+            ids[key] = int(i)
+    if "add_bos_token" in tcfg:
+        writer.add_add_bos_token(bool(tcfg["add_bos_token"]))
+    tmpl = tcfg.get("chat_template")
+    if tmpl is None and (src / "chat_template.jinja").is_file():
+        tmpl = (src / "chat_template.jinja").read_text()
+    if isinstance(tmpl, str):
+        writer.add_chat_template(tmpl)
+    return {"model": kind, "pre": (tokenizer_pre or pre_name) if kind == "gpt2" else None, "tokens": n,
+            "merges": len(merges), **ids}
+
+
+# ------------------------------------------------------------------------------ exporter
+def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    rp = dict(cfg.get("rope_parameters") or {})
+    rs = cfg.get("rope_scaling") or {}
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
+    return {"theta": float(theta), "type": kind, "factor": rp.get("factor", rs.get("factor")),
+            "original": rp.get("original_max_position_embeddings", rs.get("original_max_position_embeddings"))}
+
+
+@register_exporter("llama_cpp")
+class LlamaCppExporter(Exporter):
+    flavours = ("gguf",)
+
+    def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
+        mt = converted.config.get("model_type")
+        if mt not in ARCHS:
+            raise NotImplementedError(f"llama_cpp exporter: model_type {mt!r} is not supported; supported: "
+                                      f"{sorted(ARCHS)}")
+        rope = _rope(converted.config)
+        if rope["type"] not in ("default", "linear", "yarn"):
+            raise NotImplementedError(f"llama_cpp exporter: rope type {rope['type']!r} is not supported "
+                                      f"(default, linear, yarn)")
+        for name in list(converted.packed) + list(converted.dense):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if not _FUSED_EXPERT_RE.match(name):
+                gguf_name(name)
+        for name, p in converted.packed.items():  # refuse before anything is written
+            gguf_layout(name, p)
+        activation_mode(converted)
+
+    def write(self, converted: ConvertedModel, out: Path, flavour: str, dense_dtype: str = "auto",
+              tokenizer_pre: Optional[str] = None, **options):
+        import gguf
+
+        cfg = converted.config
+        mt = cfg["model_type"]
+        arch, permute, pre_name = ARCHS[mt]
+        n_head = int(cfg["num_attention_heads"])
+        n_kv = int(cfg.get("num_key_value_heads") or n_head)
+        hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // n_head)
+        mode = activation_mode(converted)
+
+        path = out / GGUF_NAME
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_name(str(cfg.get("_name_or_path") or mt).split("/")[-1] or mt)
+        w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
+        w.add_embedding_length(hidden)
+        w.add_block_count(int(cfg["num_hidden_layers"]))
+        if cfg.get("intermediate_size"):
+            w.add_feed_forward_length(int(cfg["intermediate_size"]))
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_kv)
+        w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+        rope = _rope(cfg)
+        w.add_rope_freq_base(rope["theta"])
+        w.add_rope_dimension_count(head_dim)
+        if head_dim != hidden // n_head or arch in ("qwen3", "qwen3moe"):
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if rope["type"] in ("linear", "yarn"):
+            kind = gguf.RopeScalingType.LINEAR if rope["type"] == "linear" else gguf.RopeScalingType.YARN
+            w.add_rope_scaling_type(kind)
+            w.add_rope_scaling_factor(float(rope["factor"]))
+            if rope["original"]:
+                w.add_rope_scaling_orig_ctx_len(int(rope["original"]))
+        vocab_size = int(cfg["vocab_size"])
+        w.add_vocab_size(vocab_size)
+        n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if n_exp:
+            w.add_expert_count(int(n_exp))
+            w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+            if cfg.get("moe_intermediate_size"):
+                w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+        tok_info = _tokenizer_kv(w, converted.source_dir, cfg, pre_name, vocab_size, tokenizer_pre)
+
+        # ---- a plan of every tensor: shapes and types now, bytes produced one tensor at a time
+        # while writing, so peak memory is one tensor (not a second copy of the model)
+        plan: Dict[str, _Planned] = {}
+        experts: Dict[str, Dict[int, Tuple[str, Any]]] = {}
+        type_counts: Dict[int, int] = {}
+
+        def q_or_k_heads(gname: str) -> Optional[int]:
+            if not permute:
+                return None
+            if ".attn_q." in gname:
+                return n_head
+            if ".attn_k." in gname:
+                return n_kv
+            return None
+
+        def packed_rows(name: str, p: PackedTensor, nh: Optional[int]) -> np.ndarray:
+            raw = packed_to_gguf(name, p)[0]
+            return permute_rows(raw, nh) if nh else raw
+
+        def f32(vals) -> _Planned:
+            arr = np.array(vals, dtype=np.float32)
+            return _Planned(arr.shape, np.float32, None, lambda: arr)
+
+        def act_scale(m: str) -> float:
+            return float(act_decode_scale(converted.act_formats[m], converted.input_amax[m]))
+
+        for name, p in sorted(converted.packed.items()):
+            gname, e = gguf_name(name)
+            gt, bpr, gs = gguf_layout(name, p)
+            type_counts[gt] = type_counts.get(gt, 0) + 1
+            if e is not None:
+                experts.setdefault(gname, {})[e] = ("packed", (name, p, gt, bpr, gs))
+                continue
+            nh = q_or_k_heads(gname)
+            plan[gname] = _Planned((p.shape[0], bpr), np.uint8, gt,
+                                   lambda name=name, p=p, nh=nh: packed_rows(name, p, nh))
+            stem = gname[: -len(".weight")]
+            if gs is not None:
+                plan[stem + ".scale"] = f32([gs])
+            m = module_of(name)
+            if mode == "w4a4" and m in converted.input_amax:
+                plan[stem + ".input_scale"] = f32([act_scale(m)])
+
+        for name, t in sorted(converted.dense.items()):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            m = _FUSED_EXPERT_RE.match(name)
+            if m:  # transformers-5 fused 3-D experts kept dense: split back per projection
+                layer = m.group(1)
+                if m.group(2) == "gate_up_proj":  # [E, 2I, H] = cat(gate, up) along dim 1
+                    half = t.shape[1] // 2
+                    plan[f"blk.{layer}.ffn_gate_exps.weight"] = _dense_plan(t[:, :half], dense_dtype, False)
+                    plan[f"blk.{layer}.ffn_up_exps.weight"] = _dense_plan(t[:, half:], dense_dtype, False)
+                else:
+                    plan[f"blk.{layer}.ffn_down_exps.weight"] = _dense_plan(t, dense_dtype, False)
+                continue
+            gname, e = gguf_name(name)
+            force32 = t.ndim == 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp" in gname
+            if e is not None:
+                experts.setdefault(gname, {})[e] = ("dense", t)
+                continue
+            plan[gname] = _dense_plan(t, dense_dtype, force32, q_or_k_heads(gname))
+
+        for gname, per in experts.items():
+            ids = sorted(per)
+            if ids != list(range(len(ids))):
+                raise ExportError(f"{gname}: experts {ids} are not 0..{len(ids) - 1}")
+            kinds = {per[i][0] for i in ids}
+            if kinds != {"packed"}:
+                if kinds != {"dense"}:
+                    raise ExportError(f"{gname}: some experts are quantized and some are not; a stacked GGUF "
+                                      f"expert tensor has one type")
+                plan[gname] = _dense_plan(torch.stack([per[i][1] for i in ids]), dense_dtype, False)
+                continue
+            items = [per[i][1] for i in ids]  # (name, p, gt, bpr, gs)
+            if len({(it[2], it[3], tuple(it[1].shape)) for it in items}) != 1:
+                raise ExportError(f"{gname}: experts use different formats or shapes; a stacked GGUF expert tensor "
+                                  f"has one type")
+            _, p0, gt, bpr, _ = items[0]
+            plan[gname] = _Planned((len(items), p0.shape[0], bpr), np.uint8, gt,
+                                   lambda items=items: np.stack([packed_to_gguf(it[0], it[1])[0] for it in items]))
+            stem = gname[: -len(".weight")]
+            gss = [it[4] for it in items]
+            if any(g is not None for g in gss):
+                plan[stem + ".scale"] = f32(gss)
+            if mode == "w4a4" and all(module_of(it[0]) in converted.input_amax for it in items):
+                # one per expert: llama.cpp checks the shape [n_expert] (as for .scale)
+                plan[stem + ".input_scale"] = f32([act_scale(module_of(it[0])) for it in items])
+
+        if type_counts:
+            main = max(type_counts, key=type_counts.get)
+            ft = _FILE_TYPE.get(main)
+            if ft:
+                w.add_file_type(int(gguf.LlamaFileType[ft]))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+        order = sorted(plan, key=_tensor_order)
+        for gname in order:
+            pl = plan[gname]
+            nbytes = int(np.prod(pl.shape)) * np.dtype(pl.dtype).itemsize
+            w.add_tensor_info(gname, pl.shape, np.dtype(pl.dtype), nbytes,
+                              raw_dtype=None if pl.raw is None else gguf.GGMLQuantizationType(pl.raw))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for gname in order:
+            pl = plan[gname]
+            arr = np.ascontiguousarray(pl.make())
+            if arr.shape != tuple(pl.shape) or arr.dtype != np.dtype(pl.dtype):
+                raise ExportError(f"{gname}: produced {arr.dtype} {arr.shape}, planned {np.dtype(pl.dtype)} {pl.shape}")
+            w.write_tensor_data(arr)
+        w.close()
+        files = [GGUF_NAME] + copy_source_files(converted.source_dir, out)
+        extra = {"gguf_file": GGUF_NAME, "architecture": arch, "qk_permuted": permute, "tokenizer": tok_info,
+                 "ggml_types": {gguf.GGMLQuantizationType(k).name: v for k, v in sorted(type_counts.items())},
+                 "mode": mode}
+        return files, extra
+
+
+@dataclass
+class _Planned:
+    shape: Tuple[int, ...]
+    dtype: Any                  # numpy dtype of the bytes written (uint8 for raw ggml types)
+    raw: Optional[int]          # ggml type for raw bytes, None when the numpy dtype decides
+    make: Callable[[], np.ndarray]
+
+
+def _dense_plan(t: torch.Tensor, dense_dtype: str, force_f32: bool, heads: Optional[int] = None) -> _Planned:
+    """F32 / F16 numpy, or BF16 written as raw bytes (numpy has no bfloat16)."""
+    if dense_dtype not in ("auto", "f32", "f16", "bf16"):
+        raise ValueError(f"dense_dtype={dense_dtype!r}; allowed: 'auto', 'f32', 'f16', 'bf16'")
+    shape = tuple(t.shape)
+
+    def make():
+        a = _to_numpy(t, dense_dtype, force_f32)
+        if heads:
+            a = permute_rows(a, heads)
+        if a.dtype == np.uint16:
+            a = a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * 2)
+        return a
+
+    if force_f32 or dense_dtype == "f32" or (dense_dtype == "auto" and t.dtype == torch.float32):
+        return _Planned(shape, np.float32, None, make)
+    if dense_dtype == "f16" or (dense_dtype == "auto" and t.dtype == torch.float16):
+        return _Planned(shape, np.float16, None, make)
+    import gguf
+    return _Planned(shape[:-1] + (shape[-1] * 2,), np.uint8, int(gguf.GGMLQuantizationType.BF16), make)
+
+
+def _tensor_order(name: str):
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (1, int(m.group(1)), name) if m else (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def _to_numpy(t: torch.Tensor, dense_dtype: str, force_f32: bool) -> np.ndarray:
+    """float32 / float16 numpy, or bf16 bits as uint16 (written with raw type BF16)."""
+    if dense_dtype not in ("auto", "f32", "f16", "bf16"):
+        raise ValueError(f"dense_dtype={dense_dtype!r}; allowed: 'auto', 'f32', 'f16', 'bf16'")
+    t = t.detach().cpu()
+    if force_f32 or dense_dtype == "f32" or (dense_dtype == "auto" and t.dtype == torch.float32):
+        return t.float().numpy()
+    if dense_dtype == "f16" or (dense_dtype == "auto" and t.dtype == torch.float16):
+        return t.half().numpy()
+    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

@@ -1,0 +1,236 @@
+"""Safetensors checkpoints for vLLM (and SGLang, see sglang.py): two container flavours.
+
+ModelOpt (``quant_method: modelopt``; NVFP4 only) per quantized linear ``<m>``::
+
+    <m>.weight          uint8          [out, in/2]   E2M1 codes, element 2i in the low nibble
+    <m>.weight_scale    float8_e4m3fn  [out, in/16]  block scales, row-major (engine swizzles)
+    <m>.weight_scale_2  float32        0-d           S_w = amax_w/2688, MULTIPLIED at decode
+    <m>.input_scale     float32        0-d           S_a = amax_a/2688 (W4A4 only)
+    + hf_quant_config.json {producer, quantization{quant_algo, group_size, kv_cache_quant_algo,
+      exclude_modules}} and the flat config.json quantization_config (vLLM reads config.json first).
+
+compressed-tensors (``nvfp4-pack-quantized`` | ``mxfp4-pack-quantized``)::
+
+    <m>.weight_packed        uint8   [out, in/2]   same packing
+    <m>.weight_scale         e4m3 [out, in/16] (NVFP4) | uint8 E8M0 [out, in/32] (MXFP4)
+    <m>.weight_global_scale  float32 [1]   G_w = 1/S_w, a DIVISOR (NVFP4 only)
+    <m>.input_global_scale   float32 [1]   G_a = 1/S_a (NVFP4 W4A4 only; MX activations are dynamic)
+
+Sources: vLLM 0.33 ``quantization/modelopt.py`` and ``compressed_tensors/``; ModelOpt 0.47
+``export/unified_export_hf.py``; compressed-tensors 0.20.1 ``compressors/nvfp4``, ``mxfp4``
+(facts collected in shared/reference/exporters.md sections 2-4). Experts are written per expert
+(``...experts.E.gate_proj.weight``); routers, lm_head and every other unquantized linear stay in
+the model dtype and are listed in ``exclude_modules``/``ignore``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from qatfactory.formats import ConvertedModel
+
+from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
+                   is_ggml_variant, module_of, register_exporter, safetensors_layout, save_sharded, spec_of,
+                   write_json)
+
+MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
+CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+SUPPORTED = {
+    "modelopt": "NVFP4 (nvfp4), W4A4 with an NVFP4 activation format or W4A16",
+    "compressed-tensors": "NVFP4 (nvfp4) W4A4/W4A16 and MXFP4 (mxfp4, mxfp4_rceil, mxfp4_even: any OCP-MX "
+                          "scale rule, the container stores only the exponent byte) W4A4/W4A16",
+}
+
+
+def excluded_linears(converted: ConvertedModel) -> List[str]:
+    """Module names of the linears left in the model dtype (lm_head, routers, anything the
+    QuantConfig excluded): 2-D ``.weight`` tensors that are not embeddings or norms."""
+    out = []
+    for name, t in converted.dense.items():
+        if not name.endswith(".weight") or t.ndim != 2:
+            continue
+        m = module_of(name)
+        leaf = m.rsplit(".", 1)[-1]
+        if "embed" in leaf or leaf in ("wte", "wpe") or "norm" in leaf:
+            continue
+        out.append(m)
+    return sorted(out)
+
+
+def _format_error(engine: str, flavour: str, fmt: str, why: str) -> ExportError:
+    return ExportError(f"{engine}/{flavour}: cannot export format {fmt!r}: {why}")
+
+
+class SafetensorsExporter(Exporter):
+    flavours = ("modelopt", "compressed-tensors")
+
+    # ---------------------------------------------------------------- checks
+    def layout_for(self, converted: ConvertedModel, flavour: str) -> str:
+        """'nvfp4' or 'mxfp4' for the whole checkpoint, or a refusal saying why."""
+        layouts = set()
+        for name, p in converted.packed.items():
+            spec = spec_of(p)
+            lay = safetensors_layout(spec)
+            if lay is None:
+                if is_ggml_variant(spec):
+                    raise _format_error(
+                        self.engine, flavour, p.format,
+                        f"it is a llama.cpp/ggml format ({spec.engine}) whose bytes only GGUF holds; export it "
+                        f"with engine='llama_cpp', or train with an OCP/NVIDIA format (nvfp4, mxfp4) for "
+                        f"vLLM/SGLang")
+                raise NotImplementedError(
+                    f"{self.engine}/{flavour} exporter does not support format {p.format!r} (tensor {name}); "
+                    f"supported: {SUPPORTED[flavour]}")
+            if lay == "mxfp4" and flavour == "modelopt":
+                raise _format_error(
+                    self.engine, flavour, p.format,
+                    "ModelOpt checkpoints have no MXFP4 linear algorithm in vLLM/SGLang (their table holds "
+                    "FP8 variants, NVFP4, W4A16_NVFP4, MXFP8); use flavour='compressed-tensors' "
+                    "(mxfp4-pack-quantized) instead")
+            layouts.add(lay)
+            if p.codes.dtype != torch.uint8 or p.codes.ndim != 2:
+                raise ExportError(f"{name}: packed codes must be a 2-D uint8 tensor [out, in/2] (experts per "
+                                  f"expert), got {p.codes.dtype} {tuple(p.codes.shape)}")
+        if not layouts:
+            raise ExportError(f"{self.engine}: the converted model has no packed tensors; nothing is quantized")
+        if len(layouts) > 1:
+            raise ExportError(f"{self.engine}/{flavour}: one checkpoint mixes NVFP4 and MXFP4 tensors; "
+                              f"vLLM reads one quantization scheme per checkpoint here. Use one format.")
+        return layouts.pop()
+
+    def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
+        lay = self.layout_for(converted, flavour)
+        check_fused_scales(converted)
+        mode = activation_mode(converted)
+        if mode == "w4a4":
+            for m, af in converted.act_formats.items():
+                aspec = spec_of_name(af)
+                if lay == "nvfp4" and aspec.global_scale is None:
+                    raise ExportError(f"{m}: W4A4 NVFP4 needs an NVFP4 activation format with a static "
+                                      f"per-tensor scale (e.g. nvfp4_act), got {af!r}")
+                if lay == "mxfp4" and (aspec.element != "e2m1" or aspec.block_size != 32):
+                    raise ExportError(f"{m}: W4A4 MXFP4 needs an MXFP4 activation format (block 32, E2M1), "
+                                      f"got {af!r}")
+
+    # ---------------------------------------------------------------- write
+    def write(self, converted: ConvertedModel, out: Path, flavour: str, max_shard_bytes: int = 5 * 2**30,
+              **options) -> Tuple[List[str], Dict[str, Any]]:
+        lay = self.layout_for(converted, flavour)
+        mode = activation_mode(converted)
+        exclude = excluded_linears(converted)
+        both = sorted(set(converted.dense) & set(converted.packed))
+        if both:
+            raise ExportError(f"{both[:3]} are both dense and packed in the converted model")
+        tensors: Dict[str, torch.Tensor] = {}
+        for name, t in converted.dense.items():
+            tensors[name] = t
+        for name, p in converted.packed.items():
+            m = module_of(name)
+            if flavour == "modelopt":
+                tensors[m + ".weight"] = p.codes
+                tensors[m + ".weight_scale"] = p.scales.view(torch.float8_e4m3fn)
+                tensors[m + ".weight_scale_2"] = _f32_scalar(p.global_scale)
+                if mode == "w4a4":
+                    tensors[m + ".input_scale"] = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
+            else:
+                tensors[m + ".weight_packed"] = p.codes
+                if lay == "nvfp4":
+                    tensors[m + ".weight_scale"] = p.scales.view(torch.float8_e4m3fn)
+                    # compressed-tensors divides by a global scale: store the reciprocal of S in fp32
+                    tensors[m + ".weight_global_scale"] = (1.0 / _f32_scalar(p.global_scale)).reshape(1)
+                    if mode == "w4a4":
+                        s_a = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
+                        tensors[m + ".input_global_scale"] = (1.0 / s_a).reshape(1)
+                else:
+                    tensors[m + ".weight_scale"] = p.scales.to(torch.uint8)
+        files = save_sharded(tensors, out, max_shard_bytes=max_shard_bytes)
+
+        cfg = dict(converted.config)
+        cfg.pop("quantization_config", None)
+        if not cfg.get("torch_dtype"):
+            cfg["torch_dtype"] = cfg.get("dtype") or _dtype_name(converted)
+        if not cfg.get("architectures"):  # engines pick the model class from it
+            cfg["architectures"] = _architectures(cfg.get("model_type"))
+        if flavour == "modelopt":
+            qc, hf_quant = self._modelopt_config(mode, exclude)
+            write_json(out / "hf_quant_config.json", hf_quant)
+            files.append("hf_quant_config.json")
+        else:
+            qc = self._ct_config(lay, mode, exclude)
+        cfg["quantization_config"] = qc
+        write_json(out / "config.json", cfg)
+        files.append("config.json")
+        files += copy_source_files(converted.source_dir, out)
+        extra = {"layout": lay, "mode": mode, "exclude_modules": exclude,
+                 "global_scale_convention": ("multiply (S = amax/2688)" if flavour == "modelopt" else
+                                             "divide (G = 1/S)" if lay == "nvfp4" else "none (E8M0 only)")}
+        return files, extra
+
+    @staticmethod
+    def _modelopt_config(mode: str, exclude: List[str]):
+        algo = "NVFP4" if mode == "w4a4" else "W4A16_NVFP4"
+        producer = {"name": "modelopt", "version": MODELOPT_PRODUCER_VERSION}
+        hf_quant = {"producer": producer,
+                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
+                                     "exclude_modules": list(exclude)}}
+        args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        # the three keys vLLM demands of the nested form are repeated at the top of the flat form
+        # (some vLLM builds check them there too); kv_cache_scheme is the flat form's own key
+        qc = {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16, "kv_cache_quant_algo": None,
+              "kv_cache_scheme": None,
+              "ignore": list(exclude), "exclude_modules": list(exclude), "producer": producer,
+              "config_groups": {"group_0": {"input_activations": dict(args) if mode == "w4a4" else None,
+                                            "weights": dict(args), "targets": ["Linear"]}}}
+        return qc, hf_quant
+
+    @staticmethod
+    def _ct_config(lay: str, mode: str, exclude: List[str]) -> Dict[str, Any]:
+        if lay == "nvfp4":
+            w = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+                 "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+            a = dict(w, dynamic="local", observer="static_minmax")
+        else:
+            w = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+                 "dynamic": False, "scale_dtype": "torch.uint8"}
+            a = dict(w, dynamic=True)
+        fmt = CT_FORMAT[lay]
+        return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": w,
+                                              "input_activations": a if mode == "w4a4" else None,
+                                              "output_activations": None, "format": fmt}},
+                "ignore": list(exclude), "kv_cache_scheme": None}
+
+
+def spec_of_name(fmt: str):
+    from qatfactory.formats import get_format
+    return get_format(fmt).spec
+
+
+def _architectures(model_type):
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    except ImportError:  # transformers is an install requirement; keep the export going without it
+        return None
+    cls = names.get(model_type)
+    if cls is None:
+        raise ExportError(f"config.json has no 'architectures' and model_type {model_type!r} is no causal LM "
+                          f"transformers knows; set config.architectures before converting")
+    return [cls]
+
+
+def _f32_scalar(t) -> torch.Tensor:
+    return torch.as_tensor(t, dtype=torch.float32).reshape(())
+
+
+def _dtype_name(converted: ConvertedModel) -> str:
+    for t in converted.dense.values():
+        if t.is_floating_point():
+            return str(t.dtype).replace("torch.", "")
+    return "bfloat16"
+
+
+@register_exporter("vllm")
+class VLLMExporter(SafetensorsExporter):
+    pass

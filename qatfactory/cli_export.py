@@ -1,0 +1,112 @@
+"""`qatfactory export` and `qatfactory verify` (qatfactory.cli delegates both here).
+
+    qatfactory export STUDENT --engine vllm --flavour modelopt --out OUT [--force]
+    qatfactory export STUDENT --engine llama_cpp --out OUT [--dense-dtype bf16]
+    qatfactory verify OUT --against STUDENT [--no-logits] [--llama-cpp] [--json report.json]
+
+STUDENT is a directory written by ``quantize.save_student``; it is rebuilt with
+``load_student`` and turned into plain tensors with ``convert`` (this module sits at the cli
+level, so it may import quantize; the exporters never do). ``verify`` exits 1 on any mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+
+def load_converted(student: str, source_dir: Optional[str] = None):
+    """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
+    generation config and chat template are copied from)."""
+    import os
+
+    from qatfactory.quantize import convert, load_student
+
+    if not os.path.isdir(student):
+        raise FileNotFoundError(f"student directory {student!r} does not exist (expected a save_student output)")
+    model = load_student(student)
+    cm = convert(model)
+    if source_dir is not None:
+        if not os.path.isdir(source_dir):
+            raise FileNotFoundError(f"--source-dir {source_dir!r} does not exist")
+        cm.source_dir = source_dir
+    elif cm.source_dir is None:
+        cm.source_dir = student  # tokenizer files saved beside the student are copied when present
+    return cm
+
+
+def _parser() -> argparse.ArgumentParser:
+    from qatfactory.exporters import list_exporters
+
+    p = argparse.ArgumentParser(prog="qatfactory", description="export a trained student / verify an export")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write a checkpoint an engine loads as is")
+    e.add_argument("student", help="save_student directory")
+    e.add_argument("--engine", required=True, choices=list_exporters())
+    e.add_argument("--flavour", "--flavor", default=None,
+                   help="vllm/sglang: modelopt | compressed-tensors (default modelopt); llama_cpp: gguf")
+    e.add_argument("--out", required=True, help="output directory (written atomically)")
+    e.add_argument("--force", action="store_true", help="replace an existing output directory")
+    e.add_argument("--source-dir", default=None, help="base model dir for tokenizer/generation config/chat template")
+    e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
+                   help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
+    e.add_argument("--max-shard-gb", type=float, default=5.0, help="vllm/sglang: safetensors shard size")
+    e.add_argument("--verify", action="store_true", help="run the parity gate right after exporting")
+    v = sub.add_parser("verify", help="reload an export with third-party code and compare it with the student")
+    v.add_argument("export_dir")
+    v.add_argument("--against", required=True, help="save_student directory the export was made from")
+    v.add_argument("--no-logits", action="store_true", help="skip the logits comparison (bytes and weights only)")
+    v.add_argument("--llama-cpp", action="store_true", help="require the llama.cpp runtime check (llama-cpp-python)")
+    v.add_argument("--json", default=None, help="also write the structured result here")
+    v.add_argument("--quiet", action="store_true", help="print failures and the verdict only")
+    return p
+
+
+def _print_result(res, quiet: bool) -> None:
+    if quiet:
+        lines = res.table().splitlines()
+        print("\n".join([lines[0]] + [ln for ln in lines[1:-1] if "  FAIL  " in ln] + [lines[-1]]))
+    else:
+        print(res.table())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Exit codes: 0 success / parity PASS, 1 parity FAIL, 2 refused (bad input, existing output,
+    a combination the engine cannot load), with the reason on stderr."""
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (FileExistsError, FileNotFoundError, NotImplementedError, ValueError) as e:
+        print(f"qatfactory {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from qatfactory.exporters import export, verify
+
+    if args.cmd == "export":
+        cm = load_converted(args.student, args.source_dir)
+        opts = {}
+        if args.engine == "llama_cpp":
+            opts["dense_dtype"] = args.dense_dtype
+        else:
+            opts["max_shard_bytes"] = int(args.max_shard_gb * 2**30)
+        r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force, **opts)
+        print(f"exported {r.engine}/{r.flavour} -> {r.path} ({', '.join(r.files)})")
+        if args.verify:
+            res = verify(r.path, cm)
+            _print_result(res, quiet=False)
+            return 0 if res.ok else 1
+        return 0
+    cm = load_converted(args.against)
+    res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=True if args.llama_cpp else None)
+    _print_result(res, args.quiet)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res.to_dict(), f, indent=2)
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`qatfactory export` / `qatfactory verify EXPORT --against STUDENT` on a save_student directory:
+the real load_student -> convert path, exit codes, the table, the JSON result."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from test_exporters_helpers import VOCAB, source_dir, tiny_config
+
+from qatfactory.cli_export import main
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qatfactory.quantize import QuantConfig, calibrate, prepare, save_student
+
+    torch.manual_seed(1)
+    cfg = tiny_config("qwen3")
+    mt = cfg.pop("model_type")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **cfg), dtype=torch.bfloat16)
+    prepare(model, QuantConfig(weight_format="nvfp4", act_format="nvfp4_act"))
+    calibrate(model, [torch.randint(0, VOCAB, (1, 12))])
+    d = tmp_path_factory.mktemp("cli") / "student"
+    save_student(model, str(d))
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the base model's tokenizer beside the student
+        shutil.copy(source_dir() / f, d / f)
+    return d
+
+
+def test_cli_export_verify_roundtrip(student_dir, tmp_path, capsys):
+    out = tmp_path / "vllm"
+    assert main(["export", str(student_dir), "--engine", "vllm", "--flavour", "modelopt", "--out", str(out)]) == 0
+    assert (out / "hf_quant_config.json").is_file() and (out / "tokenizer.json").is_file()
+    rep = tmp_path / "report.json"
+    assert main(["verify", str(out), "--against", str(student_dir), "--json", str(rep)]) == 0
+    text = capsys.readouterr().out
+    assert "verdict: PASS" in text and "model.layers.0.self_attn.q_proj" in text
+    r = json.loads(rep.read_text())
+    assert r["ok"] and r["engine"] == "vllm" and any(c["check"] == "weights" for c in r["checks"])
+
+    # an existing output needs --force
+    capsys.readouterr()
+    assert main(["export", str(student_dir), "--engine", "sglang", "--flavour", "ct", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(student_dir), "--engine", "sglang", "--flavour", "ct", "--out", str(out),
+                 "--force"]) == 0
+    assert not (out / "hf_quant_config.json").exists()
+    assert main(["verify", str(out), "--against", str(student_dir), "--no-logits", "--quiet"]) == 0
+
+    # the gate exits non-zero when the export no longer matches the student
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(out / "model.safetensors"))
+    k = "model.layers.0.self_attn.o_proj.weight_scale"
+    sd[k] = (sd[k].view(torch.uint8) + 1).view(torch.float8_e4m3fn)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["verify", str(out), "--against", str(student_dir), "--quiet"]) == 1
+    text = capsys.readouterr().out
+    assert "verdict: FAIL" in text and "o_proj" in text
+
+
+def test_cli_gguf(student_dir, tmp_path, capsys):
+    out = tmp_path / "gguf"
+    assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(out), "--verify"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["export", str(student_dir), "--engine", "tgi", "--out", str(out)])
+    capsys.readouterr()
+    # an engine/format combination that cannot load is refused with the reason, exit code 2
+    assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(tmp_path / "x"),
+                 "--dense-dtype", "f16"]) == 0
+    assert main(["verify", str(tmp_path / "nope"), "--against", str(student_dir)]) == 2
+    assert "not a qatfactory export" in capsys.readouterr().err
