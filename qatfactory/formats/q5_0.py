@@ -56,7 +56,7 @@ import torch
 
 from .kquant_common import fp16_round, fp16_round_np, sqrt_f32, tdiv
 from .q6_k import imatrix_arg, make_qx_quants, make_qx_quants_np
-from .q8_0 import as_float32, fp16_scales_arg, no_amax
+from .q8_0 import CheckedInput, as_float32, fp16_scales_arg, no_amax
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK = 32
@@ -109,20 +109,10 @@ SPEC = FormatSpec(
 )
 
 
-class Q5_0(Format):
-    def _prep(self, x):
-        x = as_float32(x, self.name)
-        self.check_input(x)
-        self.check_finite(self.name, x)
-        return x
-
+class Q5_0(CheckedInput, Format):
     # -- numpy reference ------------------------------------------------------------------
     def quantize_ref(self, x: np.ndarray, imatrix=None, **kw) -> np.ndarray:
-        x = np.asarray(x)
-        if x.dtype != np.float32:
-            x = x.astype(np.float32)
-        self.check_input(x)
-        self.check_finite(self.name, x)
+        x = self._prep_np(x)
         lead, k = x.shape[:-1], x.shape[-1]
         f32 = np.float32
         xb = x.reshape(-1, QK)

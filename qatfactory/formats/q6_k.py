@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, nearest_int, nearest_int_np, tdiv
-from .q8_0 import as_float32, no_amax
+from .q8_0 import CheckedInput, as_float32, no_amax
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK_K = 256
@@ -261,20 +261,10 @@ SPEC = FormatSpec(
 )
 
 
-class Q6_K(Format):
-    def _prep(self, x):
-        x = as_float32(x, self.name)
-        self.check_input(x)
-        self.check_finite(self.name, x)
-        return x
-
+class Q6_K(CheckedInput, Format):
     # -- numpy reference ------------------------------------------------------------------
     def quantize_ref(self, x: np.ndarray, imatrix=None, **kw) -> np.ndarray:
-        x = np.asarray(x)
-        if x.dtype != np.float32:
-            x = x.astype(np.float32)
-        self.check_input(x)
-        self.check_finite(self.name, x)
+        x = self._prep_np(x)
         lead = x.shape[:-1]
         f32 = np.float32
         nsb = x.size // QK_K

@@ -71,6 +71,25 @@ def as_float32(x, name: str) -> torch.Tensor:
     return x.float()
 
 
+class CheckedInput:
+    """Input handling shared by the llama.cpp companion formats: floating point, K a multiple of
+    the block, finite. ``_prep`` for the torch emulator, ``_prep_np`` for the numpy reference."""
+
+    def _prep(self, x):
+        x = as_float32(x, self.name)
+        self.check_input(x)
+        self.check_finite(self.name, x)
+        return x
+
+    def _prep_np(self, x) -> np.ndarray:
+        x = np.asarray(x)
+        if x.dtype != np.float32:
+            x = x.astype(np.float32)
+        self.check_input(x)
+        self.check_finite(self.name, x)
+        return x
+
+
 def fp16_scales_arg(scales, shape, device, name: str) -> torch.Tensor:
     """Validate a user-supplied per-block scale tensor -> fp16 values as float32."""
     s = torch.as_tensor(scales, device=device)
@@ -115,20 +134,10 @@ SPEC = FormatSpec(
 )
 
 
-class Q8_0(Format):
-    def _prep(self, x):
-        x = as_float32(x, self.name)
-        self.check_input(x)
-        self.check_finite(self.name, x)
-        return x
-
+class Q8_0(CheckedInput, Format):
     # -- numpy reference: the C loop, vectorised across blocks only -------------------------
     def quantize_ref(self, x: np.ndarray, imatrix=None, **kw) -> np.ndarray:
-        x = np.asarray(x)
-        if x.dtype != np.float32:
-            x = x.astype(np.float32)
-        self.check_input(x)
-        self.check_finite(self.name, x)
+        x = self._prep_np(x)
         lead = x.shape[:-1]
         xb = x.reshape(-1, QK)
         amax = np.zeros(xb.shape[0], dtype=np.float32)
