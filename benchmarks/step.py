@@ -2,6 +2,8 @@
 
     python benchmarks/step.py                      # all variants, markdown table on stdout
     python benchmarks/step.py --steps 12 --format nvfp4 --out benchmarks/step.json
+    python benchmarks/step.py --loss               # the KD loss alone: naive vs token / token x vocab chunks
+    python benchmarks/step.py --loss --loss-smoke  # the same rows at CPU size (checks the script only)
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss.
@@ -63,35 +65,52 @@ def one(name: str, over, args) -> dict:
 
 
 def loss_memory(args) -> int:
-    """Chunked vs naive KD loss alone: peak memory and time of forward+backward at a Llama-3 vocabulary."""
+    """Chunked vs naive KD loss alone: peak memory and time of forward+backward at a Llama-3 vocabulary,
+    chunked over tokens only and over tokens and vocabulary. ``--loss-smoke`` (or no GPU): a CPU-sized
+    run of the same rows (shapes / 16, time only) to check the script, not to quote."""
     import time
     import torch
     from qatfactory.distill.losses import LiveTeacherOut, LossConfig, lm_loss, naive_lm_loss
-    n, h, v = 4 * 2048, 4096, 128256
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hs = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    th = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16()
-    tw = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16()
+    smoke = args.loss_smoke or not torch.cuda.is_available()
+    dev = "cpu" if smoke else "cuda"
+    d = 16 if smoke else 1               # CPU smoke: every size divided by 16
+    n, h, v = 4 * 2048 // d, 4096 // d, 128256 // d
+    g = torch.Generator(device=dev).manual_seed(0)
+    hs = (torch.randn(n, h, device=dev, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device=dev, generator=g) * 0.02).bfloat16().requires_grad_()
+    th = (torch.randn(n, h, device=dev, generator=g) * 0.5).bfloat16()
+    tw = (torch.randn(v, h, device=dev, generator=g) * 0.02).bfloat16()
     t = LiveTeacherOut(th, tw)
+    specs = [("naive (full fp32 logits)", naive_lm_loss, LossConfig())]
+    # token chunks alone, then token x vocabulary slices (2 passes over the head for forward KL, 3 for
+    # reverse KL / JSD); the reverse-KL pair shows the price of the extra pass
+    for c, vc, kind in ((1024, None, "forward_kl"), (4096, None, "forward_kl"), (1024, 16384, "forward_kl"),
+                        (4096, 32768, "forward_kl"), (4096, None, "reverse_kl"), (4096, 32768, "reverse_kl")):
+        name = f"chunked, {c // d} tokens" + ("" if vc is None else f" x {vc // d} vocab") + "/chunk"
+        name += ", reverse KL" if kind == "reverse_kl" else ""
+        specs.append((name, lm_loss, LossConfig(kind=kind, chunk_tokens=c // d,
+                                                vocab_chunk=None if vc is None else vc // d)))
     rows = []
-    for name, fn in [("naive (full fp32 logits)", naive_lm_loss)] + [
-            (f"chunked, {c} tokens/chunk", lm_loss) for c in (1024, 4096)]:
-        cfg = LossConfig(chunk_tokens=1024 if "1024" in name else 4096)
-        for rep in range(3):
+    for name, fn, cfg in specs:
+        ms, peak = float("nan"), float("nan")
+        for rep in range(1 if smoke else 3):
             hs.grad = w.grad = None
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            if not smoke:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
                 fn(hs, w, teacher=t, cfg=cfg).backward()
-                torch.cuda.synchronize()
-                ms, peak = (time.perf_counter() - t0) * 1000, (torch.cuda.max_memory_allocated() - base) / 2**30
+                if not smoke:
+                    torch.cuda.synchronize()
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                ms = (time.perf_counter() - t0) * 1000
             except torch.OutOfMemoryError:
                 ms, peak = float("nan"), float("inf")
         rows.append((name, ms, peak))
-    print(f"\nKD loss (forward KL) forward+backward, {n} tokens, hidden {h}, vocab {v}, bf16 inputs\n")
+    print(f"\nKD loss (forward KL unless named) forward+backward, {n} tokens, hidden {h}, vocab {v}, bf16 inputs"
+          + (" [CPU smoke: not a measurement]" if smoke else "") + "\n")
     print("| loss | ms | peak extra memory (GiB) |\n|---|---:|---:|")
     for name, ms, peak in rows:
         print(f"| {name} | {ms:.1f} | {peak:.2f} |")
@@ -108,6 +127,7 @@ def main():
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
+    ap.add_argument("--loss-smoke", action="store_true", help="with --loss: CPU-sized shapes (checks the script)")
     args = ap.parse_args()
     if args.loss:
         return loss_memory(args)

@@ -35,6 +35,26 @@ temperature softmax conditioned on ``S``). The student side:
   z_i / tau``), since outside ``S`` the teacher has no value and ``KL(q || p)`` would be infinite.
 
 When ``S`` is the whole vocabulary all three equal the live-teacher losses exactly (tested).
+
+Vocabulary chunking (``vocab_chunk``). A token chunk still holds ``[chunk_tokens, V]`` float32
+logits for the student and the teacher (about 2.5 GB at 1024 tokens and V = 152K, counting the
+softmaxes and the gradient). With ``vocab_chunk = c < V`` no tensor wider than ``c`` columns exists:
+
+1. a first pass over the vocabulary slices ``W[s:s+c]`` keeps running log-sum-exps (student at
+   temperature 1 for CE and at ``tau``, teacher at ``tau``; ``logaddexp`` of the slice values, the
+   streaming form of one log-softmax) and picks up the label logit and the top-k logits;
+2. the divergences whose gradient needs a per-token sum of the whole vocabulary (reverse KL, JSD:
+   ``dL/da_i = q_i (g_i - sum_j q_j g_j)``) get one more pass for that sum and the loss value;
+3. a last pass recomputes each slice's logits, forms ``dL/dz`` for the slice in closed form
+   (forward KL ``(q - p) / tau``; reverse KL ``g = log q - log p``; JSD ``g = (1 - beta) log(q/m)``;
+   CE ``softmax - onehot``), and folds it into ``dL/dh`` and ``dL/dW[s:s+c]``.
+
+The price is recomputing the head matmuls: 2 (forward KL, CE, cached teachers) or 3 (live reverse KL,
+JSD) forward passes over ``W`` instead of 1, for a peak of ``chunk_tokens * c`` floats per tensor.
+``vocab_chunk >= V`` takes the unsliced path, so a default larger than a small vocabulary is free.
+
+Arithmetic is float32, or float64 when the student's hidden states are float64 (the tests compare
+the sliced path with :func:`naive_lm_loss` there to 1e-10).
 """
 from __future__ import annotations
 
@@ -58,6 +78,8 @@ class LossConfig:
     kd_weight: float = 1.0       # weight of the divergence (ignored when kind == "ce")
     ce_weight: float = 0.0       # weight of the CE term added to a divergence
     chunk_tokens: int = 1024     # tokens per chunk; memory ~ chunk_tokens * V * 4 bytes * 3
+    vocab_chunk: Optional[int] = None   # vocabulary columns per slice (None: the whole vocabulary);
+                                        # memory ~ chunk_tokens * vocab_chunk * 4 * 3, more head matmuls
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -72,6 +94,9 @@ class LossConfig:
                              f"allowed: numbers >= 0")
         if int(self.chunk_tokens) < 1:
             raise ValueError(f"LossConfig.chunk_tokens={self.chunk_tokens!r}; allowed: an int >= 1")
+        if self.vocab_chunk is not None and (isinstance(self.vocab_chunk, bool) or int(self.vocab_chunk) < 1):
+            raise ValueError(f"LossConfig.vocab_chunk={self.vocab_chunk!r}; allowed: null (whole vocabulary) "
+                             f"or an int >= 1")
 
     @property
     def needs_teacher(self) -> bool:
@@ -99,9 +124,19 @@ class TopKTeacherOut(NamedTuple):
 
 
 # ------------------------------------------------------------------------- per-chunk math
+def _acc(x: torch.Tensor) -> torch.dtype:
+    # float32 for model dtypes; float64 stays float64 so tests can compare paths far below fp32 rounding
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _logits(h: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
     # the matmul runs in the model dtype (what model.lm_head(h) would do), then float32
-    return (h if w is None else h @ w.t()).float()
+    return (h if w is None else h @ w.t()).to(_acc(h))
+
+
+def _slice_logits(h: torch.Tensor, w: Optional[torch.Tensor], s: int, e: int, dtype) -> torch.Tensor:
+    """Logits of vocabulary columns [s, e): rows s:e of the head, or columns of given logits."""
+    return (h[:, s:e] if w is None else h @ w[s:e].t()).to(dtype)
 
 
 def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -120,18 +155,25 @@ def _divergence(kind: str, beta: float, logp: torch.Tensor, logq: torch.Tensor) 
     return beta * _xlogy_diff(logp, logm) + (1.0 - beta) * _xlogy_diff(logq, logm)
 
 
-def _teacher_chunk(teacher, sl: slice):
+def _teacher_chunk(teacher, sl: slice, dtype=torch.float32):
     if teacher is None:
         return None
     if isinstance(teacher, TopKTeacherOut):
-        return TopKTeacherOut(teacher.logprobs[sl].float(), teacher.indices[sl].long())
+        return TopKTeacherOut(teacher.logprobs[sl].to(dtype), teacher.indices[sl].long())
     return _logits(teacher.hidden[sl], teacher.weight)
+
+
+def _rows(teacher, sl: slice, dtype):
+    """A token chunk of the teacher, logits not yet formed (the vocabulary passes slice them)."""
+    if isinstance(teacher, TopKTeacherOut):
+        return TopKTeacherOut(teacher.logprobs[sl].to(dtype), teacher.indices[sl].long())
+    return LiveTeacherOut(teacher.hidden[sl], teacher.weight)
 
 
 def _token_losses(zs: torch.Tensor, tchunk, labels: Optional[torch.Tensor], cfg: LossConfig) -> torch.Tensor:
     """Per-token loss [n] for student logits zs [n, V] (float32)."""
     tau = float(cfg.temperature)
-    out = torch.zeros(zs.shape[0], dtype=torch.float32, device=zs.device)
+    out = torch.zeros(zs.shape[0], dtype=zs.dtype, device=zs.device)
     if cfg.kind != "ce" and cfg.kd_weight != 0:
         if isinstance(tchunk, TopKTeacherOut):
             logp = torch.log_softmax(tchunk.logprobs / tau, dim=-1)
@@ -153,14 +195,170 @@ def _token_losses(zs: torch.Tensor, tchunk, labels: Optional[torch.Tensor], cfg:
     return out
 
 
-def _weights(n: int, labels, mask, device, cfg: LossConfig) -> torch.Tensor:
+def _weights(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
     """Per-token weight: 1/count for counted tokens, 0 elsewhere."""
-    w = torch.ones(n, dtype=torch.float32, device=device)
+    w = torch.ones(n, dtype=dtype, device=device)
     if mask is not None:
-        w = w * mask.reshape(-1).to(device=device, dtype=torch.float32)
+        w = w * mask.reshape(-1).to(device=device, dtype=dtype)
     if labels is not None and cfg.ce_coef != 0 and not cfg.needs_teacher:
-        w = w * (labels.reshape(-1) != IGNORE_INDEX).to(device=device, dtype=torch.float32)
+        w = w * (labels.reshape(-1) != IGNORE_INDEX).to(device=device, dtype=dtype)
     return w / w.sum().clamp_min(1.0)
+
+
+def _in_slice(idx: torch.Tensor, s: int, e: int):
+    """Where ids fall in columns [s, e), and the ids made local and safe to gather with."""
+    return (idx >= s) & (idx < e), (idx - s).clamp(0, e - s - 1)
+
+
+def _fold(h, w, s: int, e: int, gz: torch.Tensor, grad_h, grad_w) -> None:
+    """Add one vocabulary slice's dL/dz [n, e - s] into dL/dh (float accumulator) and dL/dW[s:e]."""
+    if w is None:                        # h held the logits: their gradient is gz itself
+        if grad_h is not None:
+            grad_h[:, s:e] += gz
+        return
+    low = h.dtype in (torch.bfloat16, torch.float16)
+    g = gz.to(h.dtype) if low else gz.to(grad_h.dtype if grad_h is not None else grad_w.dtype)
+    if grad_h is not None:
+        # a model-dtype GEMM per slice (as the unsliced path does per chunk), summed in the accumulator
+        grad_h += (g @ w[s:e]).to(grad_h.dtype)
+    if grad_w is not None:
+        if low:
+            grad_w[s:e] += g.t() @ h
+        else:
+            grad_w[s:e].addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype))
+
+
+def _vocab_sliced(h, w, teacher, labels, wt, cfg: LossConfig, vc: int, grad_h, grad_w):
+    """Loss of one token chunk walking the vocabulary in slices of ``vc`` columns (module docstring).
+
+    ``teacher`` is the chunk's :class:`LiveTeacherOut` rows or :class:`TopKTeacherOut` or None.
+    Adds ``dL/dh`` into ``grad_h`` (chunk rows, or None) and ``dL/dW`` into ``grad_w`` (or None);
+    returns the chunk's weighted loss sum."""
+    dt = _acc(h)
+    n = h.shape[0]
+    vocab = h.shape[1] if w is None else w.shape[0]
+    tau, beta, kind = float(cfg.temperature), float(cfg.beta), cfg.kind
+    kd = kind != "ce" and cfg.kd_weight != 0
+    topk = kd and isinstance(teacher, TopKTeacherOut)
+    live = kd and not topk
+    ce = cfg.ce_coef != 0
+    grads = grad_h is not None or grad_w is not None
+    wt = wt.to(dt)
+    ck = wt * (cfg.kd_weight * tau * tau)          # per-token weight of the divergence
+    zeros = torch.zeros(n, dtype=dt, device=h.device)
+    ninf = torch.full((n,), -math.inf, dtype=dt, device=h.device)
+
+    def slices():
+        for s in range(0, vocab, vc):
+            e = min(s + vc, vocab)
+            zs = _slice_logits(h, w, s, e, dt)
+            zt = _slice_logits(teacher.hidden, teacher.weight, s, e, dt) if live else None
+            yield s, e, zs, zt
+
+    # pass 1: running log-sum-exps, the label logits, the student's logits on the top-k set
+    lse1, lse_s, lse_t, z_lab = ninf, ninf, ninf, zeros
+    if ce:
+        if labels is None:
+            raise ValueError("lm_loss: a CE term (kind='ce' or ce_weight > 0) needs labels")
+        ignore = labels == IGNORE_INDEX
+        cc = torch.where(ignore, zeros, wt * cfg.ce_coef)
+        lab = labels.clamp_min(0)
+    if topk:
+        idx = teacher.indices
+        z_top = torch.zeros(idx.shape, dtype=dt, device=h.device)
+    for s, e, zs, zt in slices():
+        if ce:
+            lse1 = torch.logaddexp(lse1, torch.logsumexp(zs, -1))
+            inside, loc = _in_slice(lab, s, e)
+            z_lab = torch.where(inside, zs.gather(-1, loc.unsqueeze(-1)).squeeze(-1), z_lab)
+        if (live or (topk and kind == "forward_kl")) and not (ce and tau == 1.0):
+            lse_s = torch.logaddexp(lse_s, torch.logsumexp(zs / tau, -1))
+        if live:
+            lse_t = torch.logaddexp(lse_t, torch.logsumexp(zt / tau, -1))
+        if topk:
+            inside, loc = _in_slice(idx, s, e)
+            z_top = torch.where(inside, zs.gather(-1, loc), z_top)
+
+    if ce and tau == 1.0:
+        lse_s = lse1                 # the same sum: zs / 1.0 is zs exactly
+    total = zeros.new_zeros(())
+    if ce:
+        total = total + (cc * (lse1 - z_lab)).sum()
+    g_top = p_top = None
+    if topk:
+        logp = torch.log_softmax(teacher.logprobs / tau, dim=-1)
+        if kind == "forward_kl":
+            # full-vocabulary student: dL/da = q - p (p scattered onto S), formed slice by slice below
+            div = _xlogy_diff(logp, z_top / tau - lse_s.unsqueeze(-1))
+            p_top = logp.exp()
+        else:
+            # the student renormalised over S: everything lives on the k logits, autograd there is cheap
+            with torch.enable_grad():
+                zk = z_top.detach().requires_grad_(grads)
+                div = _divergence(kind, beta, logp, torch.log_softmax(zk / tau, dim=-1))
+                if grads:
+                    (g_top,) = torch.autograd.grad(div.sum(), zk)
+            div = div.detach()
+        total = total + (ck * div).sum()
+
+    def live_terms(zs, zt):
+        logq = zs / tau - lse_s.unsqueeze(-1)
+        logp = zt / tau - lse_t.unsqueeze(-1)
+        logm = torch.logaddexp(logp + math.log(beta), logq + math.log1p(-beta)) if kind == "jsd" else None
+        return logq, logp, logm
+
+    def slice_grad(s, e, zs, zt, terms=None):
+        """dL/dz on columns [s, e) (weights included), in the accumulation dtype."""
+        gz = torch.zeros_like(zs)
+        if live:
+            logq, logp, logm = terms if terms is not None else live_terms(zs, zt)
+            q = logq.exp()
+            if kind == "forward_kl":
+                ga = q - logp.exp()
+            elif kind == "reverse_kl":
+                ga = q * (logq - logp - big_g.unsqueeze(-1))
+            else:
+                ga = q * ((1.0 - beta) * (logq - logm) - big_g.unsqueeze(-1))
+            gz = gz + (ck / tau).unsqueeze(-1) * ga
+        elif topk:
+            inside, loc = _in_slice(idx, s, e)
+            if p_top is not None:
+                ga = (zs / tau - lse_s.unsqueeze(-1)).exp()
+                ga = ga.scatter_add(-1, loc, torch.where(inside, -p_top, torch.zeros_like(p_top)))
+                gz = gz + (ck / tau).unsqueeze(-1) * ga
+            else:
+                gz = gz.scatter_add(-1, loc, torch.where(inside, g_top, torch.zeros_like(g_top)) * ck.unsqueeze(-1))
+        if ce:
+            inside, loc = _in_slice(lab, s, e)
+            gc = (zs - lse1.unsqueeze(-1)).exp()
+            gc = gc.scatter_add(-1, loc.unsqueeze(-1), -inside.to(dt).unsqueeze(-1))
+            gz = gz + cc.unsqueeze(-1) * gc
+        return gz
+
+    # pass 2 (live teacher): the divergence, and G = sum_j q_j g_j for reverse KL / JSD gradients
+    big_g = None
+    if live:
+        div, big_g = zeros, zeros
+        merged = kind == "forward_kl"      # its gradient is local: fold pass 3 into this one
+        for s, e, zs, zt in slices():
+            terms = logq, logp, logm = live_terms(zs, zt)
+            if kind == "jsd":
+                kl_qm = _xlogy_diff(logq, logm)
+                div = div + beta * _xlogy_diff(logp, logm) + (1.0 - beta) * kl_qm
+                big_g = big_g + (1.0 - beta) * kl_qm
+            else:
+                div = div + _divergence(kind, beta, logp, logq)
+            if merged and grads:
+                _fold(h, w, s, e, slice_grad(s, e, zs, zt, terms), grad_h, grad_w)
+        if kind == "reverse_kl":
+            big_g = div
+        total = total + (ck * div).sum()
+
+    if not grads or (live and kind == "forward_kl"):
+        return total
+    for s, e, zs, zt in slices():
+        _fold(h, w, s, e, slice_grad(s, e, zs, zt), grad_h, grad_w)
+    return total
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -173,17 +371,27 @@ class _ChunkedLMLoss(torch.autograd.Function):
         need_h = ctx.needs_input_grad[0]
         need_w = w is not None and ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h) if need_h else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_w = torch.zeros(w.shape, dtype=_acc(w), device=w.device) if need_w else None
+        total = torch.zeros((), dtype=_acc(h), device=h.device)
         step = int(cfg.chunk_tokens)
+        vocab = h.shape[1] if w is None else w.shape[0]
+        vc = None if cfg.vocab_chunk is None or int(cfg.vocab_chunk) >= vocab else int(cfg.vocab_chunk)
         for s in range(0, h.shape[0], step):
             sl = slice(s, min(s + step, h.shape[0]))
             wt = tok_w[sl]
             if not bool((wt != 0).any()):
                 continue
+            if vc is not None:
+                acc_h = torch.zeros(h[sl].shape, dtype=_acc(h), device=h.device) if need_h else None
+                lab = None if labels is None else labels[sl]
+                total += _vocab_sliced(h[sl], w, _rows(teacher, sl, _acc(h)) if teacher is not None else None,
+                                       lab, wt, cfg, vc, acc_h, grad_w)
+                if need_h:
+                    grad_h[sl] = acc_h.to(h.dtype)
+                continue
             with torch.enable_grad():
                 zs = _logits(h[sl], w).detach().requires_grad_(need_h or need_w)
-                tch = _teacher_chunk(teacher, sl)
+                tch = _teacher_chunk(teacher, sl, _acc(h))
                 lab = None if labels is None else labels[sl]
                 part = (_token_losses(zs, tch, lab, cfg) * wt).sum()
             total += part.detach()
@@ -198,7 +406,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                         # summed in fp32; an fp32 addmm here costs several times the whole loss on GPUs
                         grad_w += gz.to(h.dtype).t() @ h[sl]
                     else:
-                        grad_w.addmm_(gz.float().t(), h[sl].float())
+                        grad_w.addmm_(gz.to(grad_w.dtype).t(), h[sl].to(grad_w.dtype))
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = None if w is None else w.dtype
         return total
@@ -219,7 +427,8 @@ def lm_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: Option
     student's logits ``[..., V]`` with ``weight=None``. ``labels``: next-token ids ``[...]`` aligned
     with ``hidden`` (``-100`` = ignore). ``mask``: 1 where the token counts (prompt and padding 0).
     ``teacher``: :class:`LiveTeacherOut` or :class:`TopKTeacherOut` aligned with ``hidden``.
-    Returns a 0-d float32 tensor, differentiable in ``hidden`` and ``weight``.
+    Returns a 0-d float32 tensor (float64 for float64 ``hidden``), differentiable in ``hidden`` and
+    ``weight``. ``cfg.vocab_chunk`` bounds the logits held at once to ``chunk_tokens x vocab_chunk``.
     """
     cfg = cfg or LossConfig()
     feat = hidden.shape[-1]
@@ -244,7 +453,18 @@ def lm_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: Option
             t_b = teacher.weight
         if t_a.shape[0] != n:
             raise ValueError(f"lm_loss: teacher holds {t_a.shape[0]} tokens, student {n}")
-    tok_w = _weights(n, lab, mask, h.device, cfg)
+        vocab = feat if weight is None else weight.shape[0]
+        if isinstance(teacher, TopKTeacherOut):
+            # the vocabulary slices would silently drop an out-of-range index instead of failing
+            lo, hi = torch.stack(torch.aminmax(t_b)).tolist() if t_b.numel() else (0, 0)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"lm_loss: top-k teacher indices span [{lo}, {hi}]; "
+                                 f"allowed: 0..{vocab - 1} (the student's vocabulary)")
+        else:
+            t_vocab = t_a.shape[-1] if t_b is None else t_b.shape[0]
+            if t_vocab != vocab:
+                raise ValueError(f"lm_loss: teacher vocabulary {t_vocab} != student vocabulary {vocab}")
+    tok_w = _weights(n, lab, mask, h.device, cfg, _acc(h))
     return _ChunkedLMLoss.apply(h, weight, lab, tok_w, t_a, t_b, cfg)
 
 
@@ -258,17 +478,71 @@ def naive_lm_loss(hidden, weight, labels=None, mask=None, teacher=None, cfg: Opt
     if teacher is not None and cfg.needs_teacher:
         if isinstance(teacher, TopKTeacherOut):
             k = teacher.indices.shape[-1]
-            tch = TopKTeacherOut(teacher.logprobs.reshape(-1, k).float(), teacher.indices.reshape(-1, k).long())
+            tch = TopKTeacherOut(teacher.logprobs.reshape(-1, k).to(zs.dtype),
+                                 teacher.indices.reshape(-1, k).long())
         else:
             tch = _logits(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), teacher.weight)
-    w = _weights(h.shape[0], lab, mask, h.device, cfg)
+    w = _weights(h.shape[0], lab, mask, h.device, cfg, zs.dtype)
     return (_token_losses(zs, tch, lab, cfg) * w).sum()
 
 
 @torch.no_grad()
-def lm_metrics(hidden, weight, labels=None, mask=None, teacher=None, chunk_tokens: int = 1024) -> Dict[str, float]:
+def _metrics_sliced(h, w, teacher, lab, vc: int) -> Dict[str, float]:
+    """lm_metrics' sums for counted rows only, walking the vocabulary in slices of ``vc`` columns."""
+    dt = _acc(h)
+    n = h.shape[0]
+    vocab = h.shape[1] if w is None else w.shape[0]
+    live = teacher is not None and not isinstance(teacher, TopKTeacherOut)
+    ninf = torch.full((n,), -math.inf, dtype=dt, device=h.device)
+    first = torch.zeros(n, dtype=torch.long, device=h.device)
+    lse, lse_t, z_lab, best, arg, t_best, t_arg = ninf, ninf, ninf.new_zeros(n), ninf, first, ninf, first
+    z_top = None
+    if isinstance(teacher, TopKTeacherOut):
+        z_top = torch.zeros(teacher.indices.shape, dtype=dt, device=h.device)
+
+    def slices():
+        for s in range(0, vocab, vc):
+            e = min(s + vc, vocab)
+            yield s, e, _slice_logits(h, w, s, e, dt), \
+                (_slice_logits(teacher.hidden, teacher.weight, s, e, dt) if live else None)
+
+    for s, e, zs, zt in slices():
+        lse = torch.logaddexp(lse, torch.logsumexp(zs, -1))
+        v, a = zs.max(-1)
+        # strictly greater: the first maximum wins across slices, as argmax over the whole row does
+        best, arg = torch.where(v > best, v, best), torch.where(v > best, a + s, arg)
+        if lab is not None:
+            inside, loc = _in_slice(lab, s, e)
+            z_lab = torch.where(inside, zs.gather(-1, loc.unsqueeze(-1)).squeeze(-1), z_lab)
+        if live:
+            lse_t = torch.logaddexp(lse_t, torch.logsumexp(zt, -1))
+            v, a = zt.max(-1)
+            t_best, t_arg = torch.where(v > t_best, v, t_best), torch.where(v > t_best, a + s, t_arg)
+        if z_top is not None:
+            inside, loc = _in_slice(teacher.indices, s, e)
+            z_top = torch.where(inside, zs.gather(-1, loc), z_top)
+    out = {"tokens": float(n), "kl_sum": 0.0, "ce_sum": 0.0, "agree_sum": 0.0}
+    if lab is not None:
+        out["ce_sum"] = float((lse - z_lab).sum())
+    if live:
+        kl = ninf.new_zeros(n)
+        for s, e, zs, zt in slices():
+            kl = kl + _xlogy_diff(zt - lse_t.unsqueeze(-1), zs - lse.unsqueeze(-1))
+        out["kl_sum"] = float(kl.sum())
+        out["agree_sum"] = float((arg == t_arg).sum())
+    elif z_top is not None:
+        logp = torch.log_softmax(teacher.logprobs, -1)
+        out["kl_sum"] = float(_xlogy_diff(logp, z_top - lse.unsqueeze(-1)).sum())
+        top = teacher.indices.gather(-1, teacher.logprobs.argmax(-1, keepdim=True)).squeeze(-1)
+        out["agree_sum"] = float((arg == top).sum())
+    return out
+
+
+def lm_metrics(hidden, weight, labels=None, mask=None, teacher=None, chunk_tokens: int = 1024,
+               vocab_chunk: Optional[int] = None) -> Dict[str, float]:
     """Sums for evaluation over counted tokens, chunked like the loss: forward KL to the teacher
     (temperature 1; renormalised over the top-k set for cached teachers), CE, top-1 agreement.
+    ``vocab_chunk`` slices the vocabulary as in :func:`lm_loss`.
     Returns ``{"tokens", "kl_sum", "ce_sum", "agree_sum"}`` (divide by tokens to average)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = None if labels is None else labels.reshape(-1).long()
@@ -283,17 +557,29 @@ def lm_metrics(hidden, weight, labels=None, mask=None, teacher=None, chunk_token
         teacher = LiveTeacherOut(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), teacher.weight)
     out = {"tokens": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "agree_sum": 0.0}
     kl_cfg = LossConfig(kind="forward_kl")
+    vocab = h.shape[1] if weight is None else weight.shape[0]
+    vc = None if vocab_chunk is None or int(vocab_chunk) >= vocab else int(vocab_chunk)
     for s in range(0, h.shape[0], int(chunk_tokens)):
         sl = slice(s, min(s + int(chunk_tokens), h.shape[0]))
         mk = m[sl]
         if not bool(mk.any()):
+            continue
+        if vc is not None:
+            tch = _rows(teacher, sl, _acc(h)) if teacher is not None else None
+            if isinstance(tch, TopKTeacherOut):
+                tch = TopKTeacherOut(tch.logprobs[mk], tch.indices[mk])
+            elif tch is not None:
+                tch = LiveTeacherOut(tch.hidden[mk], tch.weight)
+            part = _metrics_sliced(h[sl][mk], weight, tch, None if lab is None else lab[sl][mk], vc)
+            for key in out:
+                out[key] += part[key]
             continue
         zs = _logits(h[sl], weight)[mk]
         out["tokens"] += float(mk.sum())
         if lab is not None:
             out["ce_sum"] += float(-torch.log_softmax(zs, -1).gather(-1, lab[sl][mk].unsqueeze(-1)).sum())
         if teacher is not None:
-            tch = _teacher_chunk(teacher, sl)
+            tch = _teacher_chunk(teacher, sl, zs.dtype)
             if isinstance(tch, TopKTeacherOut):
                 tch = TopKTeacherOut(tch.logprobs[mk], tch.indices[mk])
                 top = tch.indices.gather(-1, tch.logprobs.argmax(-1, keepdim=True)).squeeze(-1)

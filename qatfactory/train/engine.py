@@ -170,7 +170,7 @@ class StudentLM(nn.Module):
         elif teacher is not None:
             teacher = LiveTeacherOut(teacher.hidden[:, :-1], teacher.weight)
         if metrics:
-            s = lm_metrics(h, w, labels, m, teacher, self.loss_cfg.chunk_tokens)
+            s = lm_metrics(h, w, labels, m, teacher, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
             return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
                                 device=input_ids.device)
         return lm_loss(h, w, labels, m, teacher if self.loss_cfg.needs_teacher else None, self.loss_cfg)
