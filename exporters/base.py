@@ -239,6 +239,50 @@ def check_fused_scales(converted: ConvertedModel) -> None:
                 f"the engine keeps one input scale per fused layer. Calibrate them to one shared amax.")
 
 
+# ------------------------------------------------------------------------------ tied embeddings
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def ties_embeddings(converted: ConvertedModel) -> bool:
+    """True when config.json says lm_head IS the input embedding (SmolLM2, Qwen3-0.6B, ...).
+
+    Engines then build lm_head from the embedding and skip any lm_head tensor in the checkpoint
+    (vLLM's loaders drop ``lm_head.weight``; llama.cpp reuses ``token_embd`` when ``output`` is
+    absent), so what is written must follow the config, not whatever tensors happen to exist."""
+    return bool(converted.config.get("tie_word_embeddings", False))
+
+
+def tied_duplicates(converted: ConvertedModel) -> List[str]:
+    """Tensor names to leave out because the config ties them to the embedding; raises when the
+    tensors contradict the config (the engine would serve logits the student never produced)."""
+    lm_packed, lm_dense = LM_HEAD in converted.packed, LM_HEAD in converted.dense
+    if EMBED not in converted.dense and EMBED not in converted.packed:
+        return []  # a layout without the standard names: nothing known to check
+    if ties_embeddings(converted):
+        if lm_packed:
+            raise ExportError(
+                f"config.tie_word_embeddings is true but {LM_HEAD} is quantized ({converted.packed[LM_HEAD].format}); "
+                f"engines skip a tied checkpoint's lm_head and serve the model-dtype embedding instead, so the logits "
+                f"would not be the student's. Keep the tied lm_head unquantized, or untie it "
+                f"(tie_word_embeddings=false) before training so the quantized lm_head ships")
+        if lm_dense:
+            a, b = converted.dense[LM_HEAD], converted.dense.get(EMBED)
+            if b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                raise ExportError(
+                    f"config.tie_word_embeddings is true but {LM_HEAD} differs from {EMBED}; engines would use the "
+                    f"embedding for both and silently change the logits. Set tie_word_embeddings=false to ship "
+                    f"the separate lm_head, or re-tie the weights")
+            return [LM_HEAD]  # a duplicate of the embedding: written once, as the embedding
+        return []
+    if converted.config.get("tie_word_embeddings") is False and not (lm_packed or lm_dense):
+        raise ExportError(
+            f"config.tie_word_embeddings is false but the converted model has no {LM_HEAD}; llama.cpp would fall "
+            f"back to token_embd and vLLM would leave lm_head unloaded. Set tie_word_embeddings=true if lm_head "
+            f"is the embedding, or convert a model that has its own lm_head")
+    return []
+
+
 # ------------------------------------------------------------------------------ modes
 def activation_mode(converted: ConvertedModel) -> str:
     """'w4a4' when every packed module quantizes its input, 'w4a16' when none does."""

@@ -38,7 +38,7 @@ from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
 
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, is_ggml_variant,
-                   module_of, register_exporter, safetensors_layout, spec_of)
+                   module_of, register_exporter, safetensors_layout, spec_of, ties_embeddings, tied_duplicates)
 
 GGUF_NAME = "model.gguf"
 SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml (GGUF blocks as trained); nvfp4 (ModelOpt numerics, "
@@ -228,7 +228,12 @@ def _tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], pre_na
     added = {a["content"]: a for a in tok.get("added_tokens", [])}
     for content, a in added.items():
         vocab[content] = a["id"]
-    n = max(vocab_size, max(vocab.values()) + 1)
+    if max(vocab.values()) + 1 > vocab_size:
+        # llama.cpp sizes token_embd/output by the token list and refuses the file on a mismatch
+        raise ExportError(f"{tj}: the tokenizer has ids up to {max(vocab.values())} but the model's vocab_size is "
+                          f"{vocab_size}; llama.cpp would reject token_embd's shape. Export with the tokenizer that "
+                          f"belongs to this model (or resize the embeddings to cover it)")
+    n = vocab_size
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # unused
     for t, i in vocab.items():
@@ -323,6 +328,7 @@ class LlamaCppExporter(Exporter):
         for name, p in converted.packed.items():  # refuse before anything is written
             gguf_layout(name, p)
         activation_mode(converted)
+        tied_duplicates(converted)
 
     def write(self, converted: ConvertedModel, out: Path, flavour: str, dense_dtype: str = "auto",
               tokenizer_pre: Optional[str] = None, **options):
@@ -413,8 +419,11 @@ class LlamaCppExporter(Exporter):
             if mode == "w4a4" and m in converted.input_amax:
                 plan[stem + ".input_scale"] = f32([act_scale(m)])
 
+        # tied lm_head: no output.weight, llama.cpp then reuses token_embd (as transformers' GGUF
+        # loader infers tie_word_embeddings from the absence of output.weight)
+        skip = set(tied_duplicates(converted))
         for name, t in sorted(converted.dense.items()):
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or name in skip:
                 continue
             m = _FUSED_EXPERT_RE.match(name)
             if m:  # transformers-5 fused 3-D experts kept dense: split back per projection
@@ -485,7 +494,7 @@ class LlamaCppExporter(Exporter):
         files = [GGUF_NAME] + copy_source_files(converted.source_dir, out)
         extra = {"gguf_file": GGUF_NAME, "architecture": arch, "qk_permuted": permute, "tokenizer": tok_info,
                  "ggml_types": {gguf.GGMLQuantizationType(k).name: v for k, v in sorted(type_counts.items())},
-                 "mode": mode}
+                 "mode": mode, "tied_embeddings": ties_embeddings(converted)}
         return files, extra
 
 

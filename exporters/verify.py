@@ -179,6 +179,22 @@ def _logit_check(res: VerifyResult, name: str, ref: torch.Tensor, got: torch.Ten
     res.add("logits", name, status, detail, mad, source)
 
 
+def _tie_check(res: VerifyResult, student: ConvertedModel, has_lm_head: bool, what: str,
+               exported_tie: Optional[bool]) -> None:
+    """lm_head follows config.tie_word_embeddings: a tied model ships no lm_head (engines reuse the
+    embedding; transformers' GGUF loader even infers the tie from a missing output.weight); an
+    untied one must ship it, or llama.cpp would silently fall back to token_embd."""
+    want = student.config.get("tie_word_embeddings")
+    if want is None:
+        return
+    ok = has_lm_head != bool(want)
+    if exported_tie is not None:  # safetensors: the engine reads the tie from the exported config.json
+        ok = ok and exported_tie == bool(want)
+    res.add("lm_head", "tied embeddings" if want else "untied lm_head", "ok" if ok else "FAIL",
+            f"tie_word_embeddings={bool(want)}; {what} {'present' if has_lm_head else 'absent'}"
+            + ("" if exported_tie is None else f"; exported config tie_word_embeddings={exported_tie}"))
+
+
 # ============================================================================ safetensors
 def _vllm_nvfp4_decode(packed: torch.Tensor, sf: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """vLLM's CPU reference for ModelOpt NVFP4 (nvfp4_emulation_utils.dequantize_to_dtype), written
@@ -237,6 +253,8 @@ def _verify_safetensors(res, d: Path, student, rec, prompt, do_logits, rtol):
             res.add("config.json", "config", "skip", "compressed-tensors is not installed")
         except Exception as e:  # a config compressed-tensors refuses is a failed export
             res.add("config.json", "config", "FAIL", f"compressed-tensors rejects it: {e}")
+    _tie_check(res, student, any(k.startswith("lm_head.") for k in sd), "lm_head.*",
+               bool(cfg.get("tie_word_embeddings")))
     for m in sorted(excluded):
         t = sd.get(m + ".weight")
         ok = t is not None and t.dtype == student.dense.get(m + ".weight", torch.empty(0)).dtype and \
@@ -458,6 +476,8 @@ def _verify_gguf(res, d: Path, student, rec, prompt, do_logits, llama_cpp, rtol)
             return None
         return n_head if ".attn_q." in gname else n_kv if ".attn_k." in gname else None
 
+    tied = student.config.get("tie_word_embeddings") is True
+    _tie_check(res, student, "output.weight" in tensors, "output.weight", None)
     decoded: Dict[str, torch.Tensor] = {}
     exact_all = True
     for name, p in sorted(student.packed.items()):
@@ -523,6 +543,8 @@ def _verify_gguf(res, d: Path, student, rec, prompt, do_logits, llama_cpp, rtol)
         if name.endswith("rotary_emb.inv_freq") or name.endswith(("gate_up_proj", "experts.down_proj")):
             continue
         gname, e = gguf_name(name)
+        if tied and name == "lm_head.weight":  # a tied duplicate: llama.cpp reads token_embd for it
+            gname = "token_embd.weight"
         t = tensors.get(gname)
         if t is None:
             res.add(name, "dense", "FAIL", f"{gname} missing")

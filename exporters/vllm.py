@@ -33,7 +33,7 @@ from qatfactory.formats import ConvertedModel
 
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
                    is_ggml_variant, module_of, register_exporter, safetensors_layout, save_sharded, spec_of,
-                   write_json)
+                   tied_duplicates, write_json)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
 CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -46,10 +46,12 @@ SUPPORTED = {
 
 def excluded_linears(converted: ConvertedModel) -> List[str]:
     """Module names of the linears left in the model dtype (lm_head, routers, anything the
-    QuantConfig excluded): 2-D ``.weight`` tensors that are not embeddings or norms."""
+    QuantConfig excluded): 2-D ``.weight`` tensors that are not embeddings or norms. A tied
+    lm_head is not written at all (the engine reuses the embedding), so it is not listed."""
     out = []
+    skip = set(tied_duplicates(converted))
     for name, t in converted.dense.items():
-        if not name.endswith(".weight") or t.ndim != 2:
+        if name in skip or not name.endswith(".weight") or t.ndim != 2:
             continue
         m = module_of(name)
         leaf = m.rsplit(".", 1)[-1]
@@ -103,6 +105,7 @@ class SafetensorsExporter(Exporter):
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
         lay = self.layout_for(converted, flavour)
         check_fused_scales(converted)
+        tied_duplicates(converted)
         mode = activation_mode(converted)
         if mode == "w4a4":
             for m, af in converted.act_formats.items():
@@ -124,8 +127,10 @@ class SafetensorsExporter(Exporter):
         if both:
             raise ExportError(f"{both[:3]} are both dense and packed in the converted model")
         tensors: Dict[str, torch.Tensor] = {}
+        skip = set(tied_duplicates(converted))  # config ties lm_head: engines read only the embedding
         for name, t in converted.dense.items():
-            tensors[name] = t
+            if name not in skip:
+                tensors[name] = t
         for name, p in converted.packed.items():
             m = module_of(name)
             if flavour == "modelopt":
@@ -164,6 +169,7 @@ class SafetensorsExporter(Exporter):
         files.append("config.json")
         files += copy_source_files(converted.source_dir, out)
         extra = {"layout": lay, "mode": mode, "exclude_modules": exclude,
+                 "tied_embeddings": bool(cfg.get("tie_word_embeddings")),
                  "global_scale_convention": ("multiply (S = amax/2688)" if flavour == "modelopt" else
                                              "divide (G = 1/S)" if lay == "nvfp4" else "none (E8M0 only)")}
         return files, extra

@@ -1,0 +1,189 @@
+"""Tied embeddings (lm_head IS embed_tokens, as in SmolLM2 and Qwen3-0.6B) through every exporter
+and the parity gate.
+
+Engines build a tied lm_head from the embedding: vLLM's loaders skip ``lm_head.weight`` when
+``tie_word_embeddings`` is set, llama.cpp reuses ``token_embd`` when ``output.weight`` is absent
+(and transformers' GGUF loader infers the tie from exactly that absence). So a tied export writes
+the embedding once and no lm_head; an untied one must write its lm_head. Students are tiny random
+Llama / Qwen3 models through the real quantize.prepare / calibrate / convert.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qatfactory.exporters import ExportError, export, verify
+
+gguf = pytest.importorskip("gguf")
+
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core CI machine
+    OpenMP spin-waiting made these tests ~6x slower; restored for the other test files."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=None)
+def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True):
+    """Tiny random Llama/Qwen3 (hidden 128, 2 layers) with tied embeddings, prepared/calibrated/
+    converted with the real quantize API (cached: read-only)."""
+    import transformers as T
+
+    from qatfactory.quantize import QuantConfig, calibrate, convert, prepare
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tie)
+    if kind == "llama":
+        model = T.LlamaForCausalLM._from_config(T.LlamaConfig(**common), dtype=torch.bfloat16)
+    else:
+        model = T.Qwen3ForCausalLM._from_config(T.Qwen3Config(head_dim=64, **common), dtype=torch.bfloat16)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+    qc = QuantConfig.preset(preset) if preset else QuantConfig(weight_format=fmt, act_format=act)
+    prepare(model, qc)
+    if act:
+        calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
+    return convert(model)
+
+
+# (engine, flavour, kind, student args)
+CASES = [
+    ("vllm", "modelopt", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
+    ("sglang", "compressed-tensors", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
+    ("llama_cpp", "gguf", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
+    ("llama_cpp", "gguf", "llama", dict(fmt="q4_k_m", preset="q4_k")),       # asks to quantize lm_head
+    ("sglang", "modelopt", "qwen3", dict(fmt="nvfp4")),
+    ("vllm", "compressed-tensors", "qwen3", dict(fmt="mxfp4")),
+    ("llama_cpp", "gguf", "qwen3", dict(fmt="mxfp4")),
+    ("llama_cpp", "gguf", "qwen3", dict(fmt="q4_k_m", preset="q4_k")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[2]}-{c[0]}-{c[1]}-{c[3]['fmt']}" for c in CASES])
+def test_tied_export_passes_gate(tmp_path, case):
+    engine, flavour, kind, kw = case
+    cm = tied_student(kind, **kw)
+    # convert hands over the embedding once and no lm_head, even where the recipe quantizes lm_head
+    assert cm.config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in cm.dense and "lm_head.weight" not in cm.packed
+    assert cm.dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+    out = tmp_path / "e"
+    res = export(cm, out, engine=engine, flavour=flavour)
+    v = verify(out, cm, llama_cpp=False)
+    assert v.ok, v.table()
+    assert [c for c in v.checks if c.tensor == "logits" and c.status == "ok"]
+    assert [(c.check, c.status) for c in v.checks if c.tensor == "lm_head"] == [("tied embeddings", "ok")]
+    assert res.record["tied_embeddings"] is True
+    if engine == "llama_cpp":
+        t = {x.name: x for x in gguf.GGUFReader(str(out / "model.gguf")).tensors}
+        assert "output.weight" not in t  # llama.cpp reuses token_embd
+        emb = t["token_embd.weight"]
+        assert emb.tensor_type == gguf.GGMLQuantizationType.BF16 and list(emb.shape) == [128, VOCAB]
+        if "preset" not in kw and kind == "qwen3":
+            # no separate lm_head: transformers' own GGUF loader ties (exact logits when nothing has .scale)
+            assert v.logits["transformers GGUF loader"]["exact"]
+    else:
+        sd = load_file(str(out / "model.safetensors"))
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is True
+        assert not [k for k in sd if k.startswith("lm_head")]
+        assert torch.equal(sd["model.embed_tokens.weight"], cm.dense["model.embed_tokens.weight"])
+        ignore = cfg["quantization_config"]["ignore"]
+        assert "lm_head" not in ignore and res.record["exclude_modules"] == ignore == []
+        if flavour == "modelopt":
+            hq = json.loads((out / "hf_quant_config.json").read_text())
+            assert hq["quantization"]["exclude_modules"] == []
+
+
+def test_untied_control_writes_lm_head(tmp_path):
+    """The same tiny model untied: lm_head ships (bf16 for vLLM, output.weight for llama.cpp)."""
+    cm = tied_student("qwen3", "nvfp4", tie=False)
+    assert "lm_head.weight" in cm.dense
+    export(cm, tmp_path / "s", engine="vllm", flavour="modelopt")
+    export(cm, tmp_path / "g", engine="llama_cpp")
+    sd = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "output.weight" in {x.name for x in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
+    for d in ("s", "g"):
+        v = verify(tmp_path / d, cm, logits=False)
+        assert v.ok, v.table()
+        assert ("untied lm_head", "ok") in [(c.check, c.status) for c in v.checks if c.tensor == "lm_head"]
+
+
+def test_tied_lm_head_contradictions_are_refused(tmp_path):
+    base = tied_student("llama", "nvfp4")
+    emb = base.dense["model.embed_tokens.weight"]
+    # an explicit duplicate of the embedding (e.g. a state dict with both keys) is written once
+    dup = copy.deepcopy(base)
+    dup.dense["lm_head.weight"] = emb.clone()
+    export(dup, tmp_path / "d", engine="vllm", flavour="compressed-tensors")
+    export(dup, tmp_path / "dg", engine="llama_cpp")
+    assert "lm_head.weight" not in load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert "output.weight" not in {x.name for x in gguf.GGUFReader(str(tmp_path / "dg" / "model.gguf")).tensors}
+    assert verify(tmp_path / "dg", dup, logits=False).ok
+
+    # a tied config with a different lm_head: the engine would use the embedding instead
+    diff = copy.deepcopy(dup)
+    diff.dense["lm_head.weight"][0, 0] += 1
+    for engine in ("vllm", "sglang", "llama_cpp"):
+        with pytest.raises(ExportError, match="tie_word_embeddings is true but lm_head.weight differs"):
+            export(diff, tmp_path / "x", engine=engine)
+    # a tied config with a quantized lm_head: engines skip it and serve the bf16 embedding
+    qlm = copy.deepcopy(base)
+    from qatfactory.formats import get_format
+    qlm.packed["lm_head.weight"] = get_format("nvfp4").quantize(emb.float())
+    with pytest.raises(ExportError, match="lm_head.weight is quantized"):
+        export(qlm, tmp_path / "x", engine="vllm", flavour="modelopt")
+    # an untied config without any lm_head: llama.cpp would silently fall back to token_embd
+    untied = copy.deepcopy(base)
+    untied.config = dict(untied.config, tie_word_embeddings=False)
+    with pytest.raises(ExportError, match="tie_word_embeddings is false but .* no lm_head.weight"):
+        export(untied, tmp_path / "x", engine="llama_cpp")
+    assert not (tmp_path / "x").exists()
+
+    # the gate notices an export that contradicts the tie
+    from safetensors.torch import save_file
+    sd = load_file(str(tmp_path / "d" / "model.safetensors"))
+    sd["lm_head.weight"] = emb.clone()
+    save_file(sd, str(tmp_path / "d" / "model.safetensors"), metadata={"format": "pt"})
+    v = verify(tmp_path / "d", base, logits=False)
+    assert [(c.tensor, c.check) for c in v.failures] == [("lm_head", "tied embeddings")]
+
+
+def test_tied_student_through_the_cli(tmp_path, capsys):
+    """save_student -> `qatfactory export --verify` (load_student -> convert -> export -> gate)."""
+    import transformers as T
+
+    from qatfactory.cli_export import main
+    from qatfactory.quantize import QuantConfig, prepare, save_student
+
+    torch.manual_seed(0)
+    model = T.Qwen3ForCausalLM._from_config(
+        T.Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True),
+        dtype=torch.bfloat16)
+    prepare(model, QuantConfig(weight_format="nvfp4"))
+    save_student(model, str(tmp_path / "student"))
+    for engine, flavour in (("sglang", "compressed-tensors"), ("llama_cpp", "gguf")):
+        capsys.readouterr()
+        assert main(["export", str(tmp_path / "student"), "--engine", engine, "--flavour", flavour,
+                     "--out", str(tmp_path / engine), "--verify"]) == 0
+        text = capsys.readouterr().out
+        assert "verdict: PASS" in text and "tied embeddings" in text
+    assert "output.weight" not in {x.name for x in gguf.GGUFReader(str(tmp_path / "llama_cpp" / "model.gguf")).tensors}
