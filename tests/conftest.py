@@ -1,6 +1,13 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/ggml_oracle.py and other test helpers
+# One intra-op thread per test process: the emulators issue many small tensor ops, and on a
+# 2-core CI machine two threads (or more processes than cores) made them up to 20x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ggml_oracle.py and other test helpers
