@@ -29,7 +29,7 @@ Encoding follows ``ggml/src/ggml-quants.c`` of llama.cpp:
 * both: codes re-derived from the stored values, ``q = nearest_int((x + dmin*lm)/(d*ls))``
   clamped to 0..15, except where ``d*ls == 0``: there the search's codes are kept.
 
-Numerics that decide the last bit (see /work/shared/reference/formats.md section 3):
+Numerics that decide the last bit (see shared/reference/formats.md (the project steering notes) section 3):
 float32 everywhere, sums accumulated one element at a time in C order, true IEEE
 division, ggml ``nearest_int`` (round half to even), and the ``min`` variable of
 ``make_qkx2/3_quants`` reused by later candidates once one is accepted.
