@@ -26,16 +26,6 @@ gguf = pytest.importorskip("gguf")
 H, INTER, LAYERS, EXPERTS, TOPK, VOCAB, HEADS, KV_HEADS = 256, 64, 2, 4, 2, 128, 4, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core CI machine
-    OpenMP spin-waiting made these tests ~6x slower; restored for the other test files."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @functools.lru_cache(maxsize=None)
 def mixtral(fmt: str, act=None, rules=(), preset=None, exclude=()):
     """A tiny random Mixtral prepared/calibrated/converted with the real quantize API (cached:

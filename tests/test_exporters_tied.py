@@ -24,16 +24,6 @@ gguf = pytest.importorskip("gguf")
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core CI machine
-    OpenMP spin-waiting made these tests ~6x slower; restored for the other test files."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @functools.lru_cache(maxsize=None)
 def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True):
     """Tiny random Llama/Qwen3 (hidden 128, 2 layers) with tied embeddings, prepared/calibrated/

@@ -19,15 +19,6 @@ from qatfactory.quantize import (CoverageError, QuantConfig, ModuleRule, calibra
                                  search_scales)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the CI box has 2 cores shared by several jobs; intra-op threads only add contention here
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _logits(m, x):
     m.eval()
     with torch.no_grad():

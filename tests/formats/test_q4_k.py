@@ -16,14 +16,6 @@ from qatfactory.formats import get_format
 F = get_format("q4_k")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The emulator issues many small ops; on the shared 2-core CI box, OpenMP threads
-    spinning against other jobs made this file 10x slower. One thread, restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 K = 1024
 BB = 144
 

@@ -11,14 +11,6 @@ from qatfactory.formats import get_format, list_formats
 FORMATS = list_formats()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _data(fmt, seed=0):
     k = max(256, fmt.spec.super_block)
     g = torch.Generator().manual_seed(seed)
