@@ -10,11 +10,14 @@ backward (clipped STE) reads x and g and writes dx (3 x nbytes); quantize-only r
 writes codes + scales. Shapes: [8192, 8192] and [64, 2048, 7168] (MoE experts), bf16.
 Peers, each if importable: ModelOpt fp4_fake_quant_block (Triton, NVFP4), torchao
 NVFP4Tensor / MXTensor quantize + dequantize under torch.compile, and our torch emulator
-under torch.compile. Writes kernels.json and kernels.md to --out.
+under torch.compile. NVFP4 (nvfp4, nvfp4_act) is measured with the default kernel ($QF_NVFP4_KERNEL,
+v2 unless set) and, in the same run, with the old one (v1) and the lane-exchange layout (v2x), whose
+outputs on the benchmark tensor are also compared bit for bit. Writes kernels.json and kernels.md to --out.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,6 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qatfactory import kernels as K  # noqa: E402
 from qatfactory.formats import get_format  # noqa: E402
+
+
+@contextlib.contextmanager
+def nvfp4_kernel(version: str):
+    """Run the block with $QF_NVFP4_KERNEL = version (read by every launch), then restore it."""
+    old = os.environ.get("QF_NVFP4_KERNEL")
+    os.environ["QF_NVFP4_KERNEL"] = version
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("QF_NVFP4_KERNEL", None)
+        else:
+            os.environ["QF_NVFP4_KERNEL"] = old
 
 
 def bench(fn, warmup=5, rep=30):
@@ -91,6 +108,20 @@ def main():
             if os.environ.get("BENCH_TRACE"):
                 traceback.print_exc()
 
+    def same_bits(shape, name, fn):
+        """v1 == v2 == v2x on the benchmark tensor itself (a row with the count of differing elements)."""
+        try:
+            outs = {}
+            for ver in K.NVFP4_KERNELS:
+                with nvfp4_kernel(ver):
+                    outs[ver] = fn().view(torch.int16)
+            diff = {v: int((outs[v] != outs["v1"]).sum()) for v in outs if v != "v1"}
+            print(f"   {name}: elements differing from v1: {diff}", flush=True)
+            rows.append(dict(shape=list(shape), fmt=name, impl="NVFP4 kernels vs v1: differing elements",
+                             ms=None, eager_ms=None, graph_ms=None, GBps=None, note=str(diff)))
+        except Exception as e:
+            print(f"   {name}: kernel comparison failed: {type(e).__name__}: {e}", flush=True)
+
     for shape in shapes:
         big = math.prod(shape) > 8192 * 8192     # the expert tensor: forward + backward + peers only
         torch.manual_seed(0)
@@ -105,19 +136,36 @@ def main():
             f = get_format(fmt)
             kw = {"amax": amax_e} if fmt == "nvfp4" else ({"amax": amax} if fmt == "nvfp4_act" else {})
             note = "amax supplied" if kw else ""
+            nv = fmt in ("nvfp4", "nvfp4_act")
+            if nv:
+                note = f"{note}; kernel {K.nvfp4_kernel_version()}"
             attempt(shape, fmt, "qatfactory CUDA fwd", lambda: K.fake_quantize(x, fmt, **kw), 2 * nb, note)
-            if fmt in ("nvfp4", "nvfp4_act"):
+            if nv:
+                # before/after in the same run: the old kernel (v1) and the lane-exchange layout (v2x)
+                for ver, label in (("v1", "v1 (old kernel)"), ("v2x", "v2x (lane exchange)")):
+                    with nvfp4_kernel(ver):
+                        attempt(shape, fmt, f"qatfactory CUDA fwd, {label}", lambda: K.fake_quantize(x, fmt, **kw),
+                                2 * nb, note.split(";")[0])
+                same_bits(shape, fmt, lambda: K.fake_quantize(x, fmt, **kw))
                 attempt(shape, fmt, "qatfactory CUDA fwd (dynamic amax)", lambda: K.fake_quantize(x, fmt), 2 * nb,
-                        "2 passes: floor = 2/3 of copy")
+                        "2 passes (amax, quantize; NVFP4 v2 adds a one-thread-per-group launch): floor = 2/3 of copy")
             if big and fmt not in ("nvfp4", "mxfp4"):
                 continue
             if fmt not in ("q4_k", "q5_0", "q6_k"):
                 a = K._amax_tensor(x, fmt, kw.get("amax")) if fmt in ("nvfp4", "nvfp4_act") else None
                 attempt(shape, fmt, "qatfactory CUDA bwd (clipped STE)",
                         lambda: K._launch_fp4(x, fmt, a, 4, g=g), 3 * nb)
+                if nv:
+                    with nvfp4_kernel("v1"):
+                        attempt(shape, fmt, "qatfactory CUDA bwd (clipped STE), v1 (old kernel)",
+                                lambda: K._launch_fp4(x, fmt, a, 4, g=g), 3 * nb)
                 cb = x.numel() // 2 + x.numel() // f.spec.block_size
                 if not big:
                     attempt(shape, fmt, "qatfactory CUDA quantize-only", lambda: K._launch_fp4(x, fmt, a, 2), nb + cb)
+                    if nv:
+                        with nvfp4_kernel("v1"):
+                            attempt(shape, fmt, "qatfactory CUDA quantize-only, v1 (old kernel)",
+                                    lambda: K._launch_fp4(x, fmt, a, 2), nb + cb)
             else:
                 rb = x.numel() // get_format(fmt).spec.super_block * get_format(fmt).spec.bytes_per_block
                 attempt(shape, fmt, "qatfactory CUDA quantize-only", lambda: K._launch_ggml(x, fmt, 2), nb + rb)

@@ -105,9 +105,16 @@ QF_DEV float e2m1_value(u32 c) {
 // DT: 0 float32, 1 bfloat16, 2 float16.  EPT elements per 16-byte vector.
 template <int DT> struct Vec { enum { EPT = DT == 0 ? 4 : 8 }; };
 
+// The 16-byte word itself (raw bits) and its conversion are separate so that a kernel can
+// move the raw words between lanes (warp shuffles) before or after converting them.
+QF_DEV uint4 load_raw16(const void* base, i64 vec_index) {
+    return reinterpret_cast<const uint4*>(base)[vec_index];
+}
+QF_DEV void store_raw16(void* base, i64 vec_index, uint4 r) {
+    reinterpret_cast<uint4*>(base)[vec_index] = r;
+}
 template <int DT>
-QF_DEV void load16(const void* base, i64 vec_index, float* out) {
-    uint4 r = reinterpret_cast<const uint4*>(base)[vec_index];
+QF_DEV void unpack16(uint4 r, float* out) {
     u32 w[4] = {r.x, r.y, r.z, r.w};
     if (DT == 0) {
 #pragma unroll
@@ -122,7 +129,7 @@ QF_DEV void load16(const void* base, i64 vec_index, float* out) {
     }
 }
 template <int DT>
-QF_DEV void store16(void* base, i64 vec_index, const float* v) {
+QF_DEV uint4 pack16(const float* v) {
     u32 w[4];
     if (DT == 0) {
 #pragma unroll
@@ -135,6 +142,13 @@ QF_DEV void store16(void* base, i64 vec_index, const float* v) {
             w[i] = lo | (hi << 16);
         }
     }
-    reinterpret_cast<uint4*>(base)[vec_index] = make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(w[0], w[1], w[2], w[3]);
 }
-
+template <int DT>
+QF_DEV void load16(const void* base, i64 vec_index, float* out) {
+    unpack16<DT>(load_raw16(base, vec_index), out);
+}
+template <int DT>
+QF_DEV void store16(void* base, i64 vec_index, const float* v) {
+    store_raw16(base, vec_index, pack16<DT>(v));
+}

@@ -30,6 +30,22 @@ FP4 = [n for n in ("nvfp4", "nvfp4_act", "mxfp4", "mxfp4_rceil", "mxfp4_even", "
        if n in K.kernel_formats()]
 GGML = [n for n in ("q4_k", "q6_k", "q5_0") if n in K.kernel_formats()]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NVFP4 = [n for n in ("nvfp4", "nvfp4_act") if n in FP4]
+# NVFP4 runs one of three kernels (QF_NVFP4_KERNEL): every NVFP4 test runs on each; the other
+# formats have one kernel ("-")
+VERSIONS = K.NVFP4_KERNELS
+
+
+def _with_versions(fmts):
+    return [pytest.param(f, v, id=f"{f}-{v}") for f in fmts for v in (VERSIONS if f in NVFP4 else ("-",))]
+
+
+@pytest.fixture
+def use_kernel(monkeypatch):
+    def set_version(version: str) -> None:
+        if version != "-":
+            monkeypatch.setenv("QF_NVFP4_KERNEL", version)
+    return set_version
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -140,8 +156,9 @@ def _ref_fake_quant(fmt: str, x: torch.Tensor, **kw) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("fmt", FP4 + GGML)
-def test_fake_quant_kernel_equals_emulator_and_reference(fmt, dtype):
+@pytest.mark.parametrize("fmt,kver", _with_versions(FP4 + GGML))
+def test_fake_quant_kernel_equals_emulator_and_reference(fmt, kver, dtype, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, dtype)
     block = get_format(fmt).spec.block_size
     got = K.fake_quantize(x.to(DEV), fmt)
@@ -153,8 +170,9 @@ def test_fake_quant_kernel_equals_emulator_and_reference(fmt, dtype):
     _assert_bits(got, emu, block, f"{fmt} {dtype} kernel vs CPU emulator")
 
 
-@pytest.mark.parametrize("fmt", FP4 + GGML)
-def test_fake_quant_3d_experts(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions(FP4 + GGML))
+def test_fake_quant_3d_experts(fmt, kver, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, torch.bfloat16, three_d=True, seed=1)
     block = get_format(fmt).spec.block_size
     kw = {}
@@ -165,8 +183,9 @@ def test_fake_quant_3d_experts(fmt):
     _assert_bits(got, emu, block, f"{fmt} [E, N, K] kernel vs CPU emulator")
 
 
-@pytest.mark.parametrize("fmt", [f for f in ("nvfp4", "nvfp4_act") if f in FP4])
-def test_supplied_amax(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions(NVFP4))
+def test_supplied_amax(fmt, kver, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, torch.bfloat16, seed=2)
     amax = torch.tensor(float(x.float().abs().max()) * 0.37)     # smaller than the data: clipping
     got = K.fake_quantize(x.to(DEV), fmt, amax=amax.to(DEV))
@@ -175,8 +194,9 @@ def test_supplied_amax(fmt):
     _assert_bits(got, _ref_fake_quant(fmt, x, amax=amax.numpy()), 16, f"{fmt} amax= kernel vs numpy ref")
 
 
-@pytest.mark.parametrize("fmt", [f for f in ("nvfp4", "nvfp4_act") if f in FP4])
-def test_all_zero_tensor_is_finite(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions(NVFP4))
+def test_all_zero_tensor_is_finite(fmt, kver, use_kernel):
+    use_kernel(kver)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     got = K.fake_quantize(x.to(DEV), fmt)
     _assert_bits(got, get_format(fmt).fake_quantize(x), 16, f"{fmt} zeros")
@@ -184,10 +204,126 @@ def test_all_zero_tensor_is_finite(fmt):
     assert torch.isfinite(p.global_scale).all() and not (p.scales == 0xFF).any()
 
 
+# ----------------------------------------------------------------------------- NVFP4 kernels: tails, groups
+# (x shape, amax shape or None for a scalar): block counts that are not a multiple of the warp
+# (32) or of the CTA (256 threads), one block, and group amaxes that split a warp's blocks
+_ODD_SHAPES = [((1, 16), None), ((3, 48), None), ((5, 16 * 37), (5,)), ((3, 16 * 700), None),
+               ((3, 5, 80), (3,)), ((3, 5, 80), (3, 5)), ((2, 9, 16 * 33), (2,))]
+
+
+def _odd_input(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
+    flat = x.reshape(-1, 16)
+    # a spread of block magnitudes (one amax for all of them: tiny blocks, blocks at the top)
+    flat *= torch.pow(10.0, torch.randint(-6, 3, (flat.shape[0], 1), generator=gen).double())
+    flat[::7] = 0.0                                     # all-zero blocks
+    flat[3::11, :4] = torch.tensor([0.0, -0.0, 0.25, -0.75], dtype=torch.float64)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("fmt,kver", _with_versions(NVFP4))
+def test_nvfp4_odd_block_counts_and_group_amax(fmt, kver, dtype, use_kernel):
+    """Block counts off the warp / CTA grid and per-row / per-expert amax, against the CPU
+    emulator (forward, codes + scales, clipped-STE gradient) with poisoned outputs."""
+    use_kernel(kver)
+    f = get_format(fmt)
+    for i, (shape, ashape) in enumerate(_ODD_SHAPES):
+        if fmt == "nvfp4_act" and ashape is not None:
+            continue                                    # nvfp4_act: one static scalar amax
+        x = _odd_input(shape, dtype, seed=20 + i)
+        kw = {}
+        if ashape is not None:
+            dims = tuple(range(len(ashape), x.ndim))
+            kw["amax"] = x.float().abs().amax(dim=dims) * 0.8          # some clipping too
+        dkw = {k: v.to(DEV) for k, v in kw.items()}
+        what = f"{fmt} {kver} {dtype} {shape} amax {ashape}"
+        _assert_bits(K.fake_quantize(x.to(DEV), fmt, **dkw), f.fake_quantize(x, **kw), 16, f"{what} forward")
+        p, e = K.quantize(x.to(DEV), fmt, **dkw), f.quantize(x, **kw)
+        assert torch.equal(p.codes.cpu(), e.codes), f"{what}: codes differ from the emulator"
+        assert torch.equal(p.scales.cpu(), e.scales), f"{what}: scales differ from the emulator"
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(30 + i)).to(dtype)
+        xc, xe = x.detach().to(DEV).requires_grad_(True), x.detach().clone().requires_grad_(True)
+        K.fake_quantize(xc, fmt, ste="clipped", **dkw).backward(g.to(DEV))
+        f.fake_quantize(xe, ste="clipped", **kw).backward(g)
+        _assert_bits(xc.grad, xe.grad, 16, f"{what} clipped-STE gradient")
+
+
+def _version_inputs(dtype: torch.dtype):
+    """2-D [R, 208] (13 blocks per row, 273 blocks in all: one full CTA and a partial warp) with
+    adversarial rows, NaN, +-Inf and signed zeros; 3-D [3, 5, 208] experts."""
+    gen = torch.Generator().manual_seed(40)
+    k = 16 * 13
+    x = torch.cat([torch.randn(15, k, generator=gen, dtype=torch.float64) * 0.02, _adversarial_rows(k, 16, gen)])
+    x = x[:21]
+    if dtype == torch.float16:
+        x = x.clamp(-60000.0, 60000.0)
+    x = x.to(dtype)
+    x[1, 5] = float("nan")
+    x[2, 17] = float("inf")
+    x[3, 40] = float("-inf")
+    x[4, 60:64] = torch.tensor([0.0, -0.0, float("nan"), -1.0]).to(dtype)
+    x3 = (torch.randn(3, 5, k, generator=gen) * torch.tensor([1.0, 1e-3, 30.0]).view(3, 1, 1)).to(dtype)
+    return x, x3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("fmt", NVFP4)
+def test_nvfp4_kernel_versions_agree_bitwise(fmt, dtype, monkeypatch):
+    """v2 (nvfp4_qdq16) and v2x (its lane-exchange layout) give the old kernel's (v1) bits for
+    every mode -- 1 y, 2 codes + scales, 3 both, 4 clipped-STE dx -- on the same inputs,
+    including NaN / Inf elements and amax values the emulator refuses (0, subnormal, NaN)."""
+    x, x3 = _version_inputs(dtype)
+    finite = float(x.float().nan_to_num(0.0, 0.0, 0.0).abs().max())
+    rows = x.shape[0]
+    cases = [("scalar amax", x, torch.tensor(finite)),
+             ("amax 0 (guard)", x, torch.tensor(0.0)),
+             ("subnormal amax (guard)", x, torch.tensor(1e-40)),
+             ("amax just above the guard", x, torch.tensor(2688.0 * 2.0 ** -126 * 1.5)),
+             ("clipping amax", x, torch.tensor(finite * 0.01)),
+             ("per-row amax with a NaN and a 0", x,
+              torch.cat([torch.tensor([float("nan"), 0.0]), torch.rand(rows - 2) * 3.0])),
+             ("per-expert amax", x3, x3.float().abs().amax(dim=(1, 2))),
+             ("per-expert-row amax", x3, x3.float().abs().amax(dim=2))]
+    for what, xx, amax in cases:
+        xd, ad = xx.to(DEV), amax.to(device=DEV, dtype=torch.float32)
+        g = torch.randn(xx.shape, generator=torch.Generator().manual_seed(41)).to(dtype).to(DEV)
+        # blocks with finite inputs and a finite group amax: the kernel writes no NaN there, so
+        # a NaN (the poison) in y means an element no kernel wrote
+        blocks_ok = torch.isfinite(xx.float()).reshape(*xx.shape[:-1], -1, 16).all(-1)
+        a_ok = torch.isfinite(amax).reshape(*amax.shape, *([1] * (xx.ndim - amax.ndim)))
+        ok = (blocks_ok & a_ok).repeat_interleave(16, dim=-1)
+        for mode in (1, 2, 3, 4):
+            outs = {}
+            for ver in VERSIONS:
+                monkeypatch.setenv("QF_NVFP4_KERNEL", ver)
+                y, codes, scales = K._launch_fp4(xd, fmt, ad, mode, g=g if mode == 4 else None)
+                torch.cuda.synchronize()
+                outs[ver] = (y, codes, scales)
+                label = f"{fmt} {dtype} {what} mode {mode} {ver}"
+                if y is not None:
+                    assert not torch.isnan(y.float().cpu()[ok]).any(), f"{label}: an element of y was not written"
+                if scales is not None:
+                    assert not (scales == 0xFF).any(), f"{label}: a scale byte was not written"
+            y1, c1, s1 = outs["v1"]
+            for ver in VERSIONS[1:]:
+                y2, c2, s2 = outs[ver]
+                label = f"{fmt} {dtype} {what} mode {mode}: {ver} vs v1"
+                if mode & 5:
+                    _assert_bits(y2, y1, 16, label + (" (dx)" if mode == 4 else " (y)"))
+                else:
+                    assert y1 is None and y2 is None
+                if mode & 2:
+                    _assert_bits(c2, c1, 8, label + " (codes)")
+                    _assert_bits(s2, s1, 1, label + " (scales)")
+
+
 # ----------------------------------------------------------------------------- quantize-only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("fmt", FP4 + GGML)
-def test_quantize_bytes_equal_emulator_and_reference(fmt, dtype):
+@pytest.mark.parametrize("fmt,kver", _with_versions(FP4 + GGML))
+def test_quantize_bytes_equal_emulator_and_reference(fmt, kver, dtype, use_kernel):
+    use_kernel(kver)
     f = get_format(fmt)
     x = _inputs(fmt, dtype, seed=3)
     got = K.quantize_bytes(x.to(DEV), fmt)
@@ -217,8 +353,9 @@ def test_ggml_bytes_equal_libggml(fmt):
                     f"0x{got[r, c]:02X} vs 0x{want[r, c]:02X}")
 
 
-@pytest.mark.parametrize("fmt", FP4)
-def test_quantize_packed_tensor_fields(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions(FP4))
+def test_quantize_packed_tensor_fields(fmt, kver, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, torch.bfloat16, seed=5)
     p = K.quantize(x.to(DEV), fmt)
     e = get_format(fmt).quantize(x)
@@ -230,8 +367,9 @@ def test_quantize_packed_tensor_fields(fmt):
 
 # ----------------------------------------------------------------------------- backward
 @pytest.mark.parametrize("ste", ["identity", "clipped"])
-@pytest.mark.parametrize("fmt", FP4)
-def test_backward_matches_emulator(fmt, ste):
+@pytest.mark.parametrize("fmt,kver", _with_versions(FP4))
+def test_backward_matches_emulator(fmt, kver, ste, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, torch.bfloat16, seed=6)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     xc = x.to(DEV).requires_grad_(True)
@@ -267,11 +405,13 @@ def test_lsq_kernel_equals_torch_rule():
 
 
 # ----------------------------------------------------------------------------- NaN / Inf
-@pytest.mark.parametrize("fmt", [f for f in ("mxfp4", "mxfp4_rceil", "mxfp4_even", "nvfp4") if f in FP4])
-def test_nan_block_is_poisoned_not_spread(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions([f for f in ("mxfp4", "mxfp4_rceil", "mxfp4_even", "nvfp4")
+                                                      if f in FP4]))
+def test_nan_block_is_poisoned_not_spread(fmt, kver, use_kernel):
     """The emulators refuse NaN (no engine defines the result); the kernel does not sync to
     check, so it must at least keep the damage inside the block: that block NaN (scale byte
     0xFF / 0x7F), the other blocks as the emulator computes them on the clean tensor."""
+    use_kernel(kver)
     block = get_format(fmt).spec.block_size
     x = _inputs(fmt, torch.float32, seed=10)[:8]
     amax = torch.tensor(float(x.abs().max()))
@@ -287,8 +427,9 @@ def test_nan_block_is_poisoned_not_spread(fmt):
 
 
 # ----------------------------------------------------------------------------- compile / graphs
-@pytest.mark.parametrize("fmt", [f for f in ("nvfp4", "mxfp4", "q4_k") if f in FP4 + GGML])
-def test_torch_compile_and_cuda_graph(fmt):
+@pytest.mark.parametrize("fmt,kver", _with_versions([f for f in ("nvfp4", "mxfp4", "q4_k") if f in FP4 + GGML]))
+def test_torch_compile_and_cuda_graph(fmt, kver, use_kernel):
+    use_kernel(kver)
     x = _inputs(fmt, torch.bfloat16, seed=11).to(DEV)
     eager = K.fake_quantize(x, fmt)
 

@@ -22,11 +22,18 @@ with torch, so they work under autograd, torch.compile (opaque custom ops with f
 rules) and CUDA graph capture. The CUDA path never synchronises with the host; therefore it
 does not validate values the way the emulator does (NaN/Inf inputs, a negative amax): a NaN
 in a block gives that block a NaN scale (MX: byte 0xFF) instead of an exception.
+
+NVFP4 (nvfp4, nvfp4_act) runs ``nvfp4_qdq16`` by default: one thread per 16-element block,
+the per-tensor constants precomputed per group by a one-thread-per-group launch
+(``nvfp4_consts``). ``QF_NVFP4_KERNEL=v1`` selects the original ``fp4_qdq`` kernel and
+``v2x`` the warp-coalesced layout of nvfp4_qdq16 (see ``nvfp4_kernel_version``); all give
+the same bits.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -177,13 +184,45 @@ def _launch_fp4(x, fmt, amax, mode, g=None):
         a = a.to(device=x.device, dtype=torch.float32).contiguous()
     if g is not None:
         g = _aligned(g.to(x.dtype))
-    if n_vec:
+    if not n_vec:
+        return y, codes, scales
+    version = nvfp4_kernel_version() if (rule <= 1 and block == 16) else "v1"
+    if version == "v1":
         expr = f"fp4_qdq<{_DT[x.dtype]},{block},{rule},{tie},{negz},{mode}>"
         grid = (n_vec + _THREADS - 1) // _THREADS
         loader.launch("fp4_qdq.cu", expr, x.device, grid, _THREADS,
                       (loader.ptr(x), loader.ptr(y), loader.ptr(g), loader.ptr(codes), loader.ptr(scales),
                        loader.ptr(a), np.int64(n_vec), np.int64(bpg)))
+        return y, codes, scales
+    # NVFP4 v2: the per-group constants (g, 6g / 1/S ...) once per group, then one thread per block
+    groups = a.numel()
+    gc = torch.empty((groups, 4), dtype=torch.float32, device=x.device)
+    loader.launch("fp4_qdq.cu", f"nvfp4_consts<{rule}>", x.device, (groups + _THREADS - 1) // _THREADS, _THREADS,
+                  (loader.ptr(a), loader.ptr(gc), np.int64(groups)))
+    n_blk = x.numel() // 16
+    xchg = 1 if (version == "v2x" and x.dtype != torch.float32) else 0   # fp32 has no exchange layout
+    expr = f"nvfp4_qdq16<{_DT[x.dtype]},{rule},{tie},{negz},{mode},{xchg}>"
+    grid = (n_blk + _THREADS - 1) // _THREADS      # one thread per 16-element block
+    loader.launch("fp4_qdq.cu", expr, x.device, grid, _THREADS,
+                  (loader.ptr(x), loader.ptr(y), loader.ptr(g), loader.ptr(codes), loader.ptr(scales),
+                   loader.ptr(gc), np.int64(n_blk), np.int64(bpg)))
     return y, codes, scales
+
+
+NVFP4_KERNELS = ("v1", "v2", "v2x")
+
+
+def nvfp4_kernel_version() -> str:
+    """Which NVFP4 (nvfp4 / nvfp4_act) kernel _launch_fp4 uses, from $QF_NVFP4_KERNEL (read at
+    every launch, so a benchmark can switch it between calls):
+    ``v2`` (default) nvfp4_qdq16, one thread per 16-element block reading its own 32/64 bytes;
+    ``v2x`` nvfp4_qdq16 with the warp-coalesced loads + lane exchange (bf16/fp16; fp32 runs v2);
+    ``v1`` the original fp4_qdq (16 bytes per thread, the block scale computed per lane).
+    All three give the same bits."""
+    v = os.environ.get("QF_NVFP4_KERNEL", "").strip().lower() or "v2"
+    if v not in NVFP4_KERNELS:
+        raise ValueError(f"QF_NVFP4_KERNEL={v!r}; allowed: {', '.join(NVFP4_KERNELS)}")
+    return v
 
 
 def _launch_ggml(x, fmt, mode):
