@@ -173,3 +173,76 @@ def test_w4a4_experts_need_an_implementation_that_exposes_the_down_input():
     ex.is_transposed = True
     with pytest.raises(NotImplementedError, match="is_transposed=True"):
         check_supported(ex, "model.layers.0.mlp.experts", w4a4=False)
+
+
+def test_group_amax_is_cached_only_inside_the_trainer_epoch():
+    """q/k/v share one amax: equal to max|W| over the group; inside step_cache.enabled() it is kept
+    until weights_changed(); outside, a weight change shows at once."""
+    from qatfactory.nn import step_cache
+    from qatfactory.quantize import QuantConfig, prepare
+    from tests.quant_helpers import tiny
+    model = tiny("llama")
+    prepare(model, QuantConfig.preset("nvfp4_w4a16"))
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    assert len(q._group) == 3
+    want = max(float(m.weight.detach().abs().max()) for m in (q, k, v))
+    assert float(q.group_amax()) == want and float(v.group_amax()) == want
+    with torch.no_grad():
+        k.weight[0, 0] = 2 * want
+    assert float(q.group_amax()) == 2 * want          # no cache outside the trainer
+    with step_cache.enabled():
+        a = q.group_amax()
+        with torch.no_grad():
+            k.weight[0, 0] = 4 * want
+        assert v.group_amax() is a and float(a) == 2 * want     # same epoch: one computation per group
+        step_cache.weights_changed()
+        assert float(v.group_amax()) == 4 * want
+    with torch.no_grad():
+        k.weight[0, 0] = float("nan")
+    assert torch.isnan(q.group_amax()).all()        # NaN is not hidden by the reduction
+
+
+def test_act_quantizer_checks_amax_once_and_again_after_a_load():
+    a = ActQuantizer("nvfp4_act")
+    x = torch.randn(3, 32)
+    a.amax.fill_(1.0)
+    a(x)
+    assert a._amax_ok
+    a.load_state_dict({"amax": torch.tensor(0.0)})
+    with pytest.raises(RuntimeError, match="calibrate"):
+        a(x)
+
+
+@pytest.mark.parametrize("wfmt,afmt,ste", [("nvfp4", None, "identity"), ("mxfp4", "mxfp4", "identity"),
+                                           ("nvfp4", "nvfp4_act", "identity"), ("mxfp4", None, "clipped"),
+                                           ("q4_k", None, "identity")])
+def test_quant_linear_backward_recomputes_instead_of_saving_fq_copies(wfmt, afmt, ste):
+    """The training path saves x and W only (no fake-quantized copies) and gives the same output and
+    gradients as F.linear on the fake-quantized tensors with the quantizers' own STE."""
+    from qatfactory.nn import QuantLinear
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64, bias=True)
+    m = QuantLinear(lin, wfmt, "dynamic", act_format=afmt, ste=ste)
+    if afmt == "nvfp4_act":
+        m.input_quant.amax.fill_(2.0)
+    x = (torch.randn(3, 5, 256) * 1.5).requires_grad_()
+    gy = torch.randn(3, 5, 64)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = m(x)
+    # nothing weight- or activation-sized is saved except x and W themselves
+    big = [t for t in saved if t.numel() > 64]
+    assert all(t is x or t is m.weight for t in big), [tuple(t.shape) for t in big]
+    gx, gw, gb = torch.autograd.grad(y, [x, m.weight, m.bias], gy)
+    x2 = x.detach().requires_grad_()
+    y2 = torch.nn.functional.linear(m._quant_input(x2), m.quantized_weight(), m.bias)
+    gx2, gw2, gb2 = torch.autograd.grad(y2, [x2, m.weight, m.bias], gy)
+    for a, b in ((y, y2), (gx, gx2), (gw, gw2), (gb, gb2)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    if ste == "clipped":
+        assert (gw == 0).any()       # MX FLOOR saturates some block maxima; the mask reached W's gradient

@@ -78,7 +78,7 @@ class QuantExpertsMixin:
     def expert_amax(w: torch.Tensor) -> torch.Tensor:
         """Per-expert amax [E] (gate and up share it because they are one row range)."""
         with torch.no_grad():
-            return w.detach().abs().amax(dim=(1, 2)).float()
+            return torch.linalg.vector_norm(w.detach(), float("inf"), dim=(1, 2)).float()
 
     def _dyn(self, q: WeightQuantizer, w: torch.Tensor):
         return self.expert_amax(w) if q.strategy == "dynamic" else None

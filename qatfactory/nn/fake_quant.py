@@ -238,6 +238,12 @@ class ActQuantizer(nn.Module):
         self.register_buffer("amax", torch.zeros((), dtype=torch.float32, device=device))
         self.calibrating = False
         self.owner = ""
+        # the static amax was seen > 0 (checked once: reading a CUDA buffer syncs the host)
+        self._amax_ok = False
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._amax_ok = False
+        return super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def fmt(self):
@@ -252,6 +258,7 @@ class ActQuantizer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
+            self._amax_ok = False
             if x.numel():
                 self.amax.copy_(torch.maximum(self.amax, x.detach().abs().amax().float()))
             return x
@@ -259,9 +266,10 @@ class ActQuantizer(nn.Module):
             return x
         fmt = self.fmt
         if self.static:
-            if not float(self.amax) > 0:
+            if not self._amax_ok and not float(self.amax) > 0:
                 raise RuntimeError(f"{self.owner or 'ActQuantizer'}: W4A4 activation format {self.fmt_name!r} uses "
                                    f"a static calibrated amax, which is not set; run "
                                    f"qatfactory.quantize.calibrate(model, batches) first")
+            self._amax_ok = True
             return kernels.fake_quantize(x, fmt.name, amax=self.amax)
         return kernels.fake_quantize(x, fmt.name)

@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import step_cache
 from .fake_quant import ActQuantizer, WeightQuantizer
 from .lora import LoRA
+
+_INF = float("inf")
 
 
 class QuantLinear(nn.Module):
@@ -52,23 +55,87 @@ class QuantLinear(nn.Module):
         return self.weight if self.lora is None else self.lora.merge(self.weight)
 
     def group_amax(self) -> torch.Tensor:
-        """Shared per-tensor amax [1]: max |W| over the fused group, from detached weights."""
+        """Shared per-tensor amax [1]: max |W| over the fused group, from detached weights.
+
+        One reduction launch for the whole group (no |W| temporaries); inside the trainer's
+        ``step_cache.enabled()`` the group's first member keeps it until the next optimizer step."""
+        epoch = step_cache.current()
+        lead = self._group[0]
+        hit = getattr(lead, "_amax_cache", None)
+        if epoch is not None and hit is not None and hit[0] == epoch:
+            return hit[1]
         with torch.no_grad():
-            a = torch.stack([m.merged_weight().detach().abs().amax().float() for m in self._group]).amax()
-        return a.reshape(1)
+            ws = [m.merged_weight().detach() for m in self._group]
+            if len(ws) == 1:
+                a = torch.linalg.vector_norm(ws[0], _INF).float()
+            else:
+                a = torch.stack(torch._foreach_norm(ws, _INF)).amax().float()
+            a = a.reshape(1)
+        if epoch is not None:
+            lead._amax_cache = (epoch, a)
+        return a
 
     def quantized_weight(self) -> torch.Tensor:
         w = self.merged_weight()
         amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
         return self.weight_quant(w.unsqueeze(0), amax)[0].to(self.weight.dtype)
 
+    def _quant_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_quant is None else self.input_quant(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_quant is not None:
-            x = self.input_quant(x)
-        return F.linear(x, self.quantized_weight(), self.bias)
+        if (torch.is_grad_enabled() and self.lora is None and self.weight_quant.strategy != "learnable"
+                and not (self.input_quant is not None and self.input_quant.calibrating)
+                and (x.requires_grad or self.weight.requires_grad)):
+            amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
+            return _QuantLinearFn.apply(x, self.weight, self.bias, self, amax)
+        return F.linear(self._quant_input(x), self.quantized_weight(), self.bias)
 
     @torch.no_grad()
     def pack(self, r0: int = 0, r1: Optional[int] = None):
         w = self.merged_weight().detach().unsqueeze(0)
         amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
         return self.weight_quant.pack(w, 0, r0, self.out_features if r1 is None else r1, amax)
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    """y = fq_x(x) @ fq_w(W)^T + b that keeps only x and W for the backward (tensors the graph
+    holds anyway: W is the parameter, x is shared by the q/k/v or gate/up siblings), not the
+    fake-quantized copies F.linear would save -- one weight-sized tensor per linear (the whole
+    model's weights again, 1.3 GiB for a 1B model) and, for W4A4, one activation per sibling.
+    The backward recomputes fq_x(x) and fq_w(W) (one kernel launch each) and sends the matmul
+    gradients through the quantizers' own straight-through rules (identity or clipped)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, mod, amax):
+        with torch.no_grad():
+            y = F.linear(mod._quant_input(x), mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype), bias)
+        ctx.save_for_backward(x, w, amax)
+        ctx.mod = mod
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, amax = ctx.saved_tensors
+        mod = ctx.mod
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(need_x)
+            wd = w.detach().requires_grad_(need_w)
+            xq = mod._quant_input(xd) if need_w or need_x else None
+            wq = mod.weight_quant(wd.unsqueeze(0), amax)[0].to(w.dtype) if need_x or need_w else None
+        g2 = gy.reshape(-1, gy.shape[-1])
+        outs, grads = [], []
+        if need_x:
+            outs.append(xq)
+            grads.append(gy.matmul(wq.detach()))
+        if need_w:
+            outs.append(wq)
+            grads.append(g2.t().matmul(xq.detach().reshape(-1, xq.shape[-1])))
+        res = torch.autograd.grad(outs, [t for t, n in ((xd, need_x), (wd, need_w)) if n], grads) if outs else ()
+        res = list(res)
+        gx = res.pop(0) if need_x else None
+        gw = res.pop(0) if need_w else None
+        gb = g2.sum(0).to(gy.dtype) if need_b else None
+        return gx, gw, gb, None, None
+
