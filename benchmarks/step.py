@@ -45,7 +45,7 @@ def one(name: str, over, args) -> dict:
     import torch
     from qatfactory.train.config import compose
     from qatfactory.train.engine import run
-    run_dir = Path(args.workdir) / name.split(" (")[0].replace(" ", "_")
+    run_dir = Path(args.workdir) / (name.split(" (")[0].replace(" ", "_") + (f"_{args.tag}" if args.tag else ""))
     n = args.steps * 4
     cfg = compose(MODEL + list(over) + [
         f"run_dir={run_dir}", "data.synthetic=%d" % n, "data.seq_len=2048", "data.eval_samples=1",
@@ -54,12 +54,26 @@ def one(name: str, over, args) -> dict:
         "train.save_final=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
         "train.device=cuda", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"])
     torch.cuda.reset_peak_memory_stats()
-    s = run(cfg)
+    if args.profile:
+        # where the time goes (not a timing run: the profiler slows the host side)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            s = run(cfg)
+        ka = prof.key_averages()
+        txt = [f"profile of '{name}', {args.steps} steps (setup included)\n"]
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            txt.append(f"\n== top 30 by {key}\n" + ka.table(sort_by=key, row_limit=30))
+        dest = Path(args.profile_dir or args.workdir) / ("profile_" + name.split(" (")[0].replace(" ", "_") + ".txt")
+        dest.write_text("".join(txt))
+        print(f"[bench] profile written to {dest}", file=sys.stderr, flush=True)
+    else:
+        s = run(cfg)
     s.pop("engine").destroy()
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_ms" in r and r["step"] > args.warmup]
     ms = statistics.median(r["step_ms"] for r in steps)
-    return {"variant": name, "ms_per_step": ms, "tokens_per_s": 4 * 2048 / (ms / 1000.0),
+    return {"variant": name, "ms_per_step": ms, "step_ms_all": [round(r["step_ms"], 1) for r in steps],
+            "tokens_per_s": 4 * 2048 / (ms / 1000.0),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "steps_timed": len(steps),
             "final_loss": steps[-1]["loss"] if steps else None}
 
@@ -125,7 +139,14 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048, help="loss chunk (tokens)")
     ap.add_argument("--only", default=None, help="run one variant (internal: used by the parent process)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here (a folder: <folder>/step.json)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated substrings: run only the variants whose name contains one of them")
+    ap.add_argument("--profile", default=None,
+                    help="also run this variant once more under torch.profiler (a substring of its name); "
+                         "the op table goes to <--out folder>/profile_<variant>.txt")
+    ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
     ap.add_argument("--loss-smoke", action="store_true", help="with --loss: CPU-sized shapes (checks the script)")
     args = ap.parse_args()
@@ -135,15 +156,35 @@ def main():
     if os.environ.get("TORCH_CUDA_ARCH_LIST", "").endswith("a"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ["TORCH_CUDA_ARCH_LIST"].rstrip("a")
     vs = variants(args.format)
+    if args.variants:
+        keys = [k.strip() for k in args.variants.split(",") if k.strip()]
+        vs = {n: o for n, o in vs.items() if any(k in n for k in keys)}
+        if not vs:
+            ap.error(f"--variants {args.variants!r} matches none of {list(variants(args.format))}")
     if args.only is not None:
-        print("ROW " + json.dumps(one(args.only, vs[args.only], args)), flush=True)
+        args.profile = args.profile if args.profile_dir else None
+        row = one(args.only, vs[args.only], args)
+        if args.tag:
+            row["variant"] += f", {args.tag}"
+        print("ROW " + json.dumps(row), flush=True)
         return 0
     work = args.workdir or tempfile.mkdtemp(prefix="qf-step-bench-")
+    out_dir = Path(args.out) if args.out and Path(args.out).is_dir() else None
+    jobs = [(name, []) for name in vs]
+    base_name = next(iter(variants(args.format)))
+    if base_name in vs and len(vs) > 1:
+        # the baseline once more at the end: the two SFT rows bound the drift between processes
+        jobs.append((base_name, ["--tag", "again"]))
+    if args.profile:
+        hit = [n for n in vs if args.profile in n]
+        if not hit:
+            ap.error(f"--profile {args.profile!r} matches no selected variant")
+        jobs.append((hit[0], ["--profile", args.profile, "--profile-dir", str(out_dir or work), "--steps", "5"]))
     rows = []
-    for name in vs:
+    for name, extra in jobs:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
-               "--chunk", str(args.chunk)]
+               "--chunk", str(args.chunk)] + extra
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
         line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
@@ -151,12 +192,18 @@ def main():
             rows.append({"variant": name, "error": (p.stderr or p.stdout)[-400:].replace("\n", " ")})
             print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
+        if "--profile" in extra:          # the profiled run: its timings are not comparable
+            print(f"[bench] {name}: profiled", file=sys.stderr, flush=True)
+            continue
         rows.append(json.loads(line[-1][4:]))
         # the whole row as soon as it exists: a run cut short by its time limit still reports it
         print(f"[bench] {name}: " + json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    base = next((r for r in rows if "ms_per_step" in r), None)
+    ok = [r for r in rows if "ms_per_step" in r and r["variant"].startswith(base_name)]
+    # the ratio's denominator: the mean of the SFT runs made before and after the others
+    base = {"ms_per_step": statistics.mean(r["ms_per_step"] for r in ok)} if ok else None
     print(f"\nstep time, random Llama hidden 2048 x 16 layers, batch 4 x 2048, bf16, fused AdamW, "
-          f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}\n")
+          f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}; ratios against the mean "
+          f"of the SFT runs\n")
     print("| variant | ms/step | tokens/s | vs bf16 SFT | peak memory (GiB) |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
@@ -167,7 +214,7 @@ def main():
         print(f"| {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | "
               f"{r['peak_mem_gib']:.1f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        (out_dir / "step.json" if out_dir else Path(args.out)).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -10,7 +10,7 @@
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
 # TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernels.py,
-# e.g. "--quick"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
+# e.g. "--quick"), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --profile W4A16"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
 # is limited to 600 s, so the defaults leave room for the machine's start).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -55,7 +55,8 @@ for stage in $STAGES; do
             timeout "$T_BENCH" python3 benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.log" ;;
         step|export)
             if [ -f "benchmarks/$stage.py" ]; then
-                timeout "$T_BENCH" python3 "benchmarks/$stage.py" --out "$OUT" 2>&1 | tee "$OUT/bench_$stage.log"
+                args=""; [ "$stage" = step ] && args=${STEP_ARGS:-}
+                timeout "$T_BENCH" python3 "benchmarks/$stage.py" --out "$OUT" $args 2>&1 | tee "$OUT/bench_$stage.log"
             else
                 echo "benchmarks/$stage.py not present: skipped"
             fi ;;

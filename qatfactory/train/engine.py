@@ -285,6 +285,13 @@ def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, worl
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     """Train (or only calibrate and evaluate, for ptq) as cfg says; returns the summary dict.
     ``eval_only``: restore cfg.resume and evaluate it, no training."""
+    from ..nn import step_cache
+    # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
+    with step_cache.enabled():
+        return _run(cfg, eval_only, step_cache)
+
+
+def _run(cfg: RunConfig, eval_only: bool, step_cache) -> Dict[str, Any]:
     import deepspeed
     cfg = validate(cfg)
     t = cfg.train
@@ -366,11 +373,13 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
             kw["optimizer"] = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
     engine, *_ = deepspeed.initialize(model=student, config=dcfg, **kw)
+    step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
 
     step, position, history = 0, 0, []
     logger_start = 0
     if resume_from is not None:
         st = ckpt.load(engine, resume_from, rank)
+        step_cache.weights_changed()
         step, position, history = st["step"], st["position"], st.get("eval_history", [])
         logger_start = step
     # an eval of a checkpoint leaves the run's own logs alone
@@ -399,7 +408,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
 
     while train_now and step < t.max_steps:
         ts = time.time()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         lr_now = float(engine.get_lr()[0])
         for _ in range(t.grad_accum):
             b = rank_batch(train_s, order, position, t.micro_batch, rank, world)
@@ -410,12 +419,13 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
             # lm_head under ZeRO-3) is no longer needed for backward
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().double().cpu()
+            step_cache.weights_changed()
+            loss_sum += loss.detach().double()      # stays on the device: one host sync per step
         step += 1
         if world > 1:
-            ls = loss_sum.to(dev)
-            torch.distributed.all_reduce(ls)
-            loss_sum = ls.cpu() / world
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum = loss_sum / world
+        loss_sum = loss_sum.cpu()
         loss_v = float(loss_sum) / t.grad_accum
         dt = time.time() - ts
         rec = {"step": step, "loss": loss_v, "lr": lr_now, "step_ms": dt * 1000.0,
