@@ -10,7 +10,7 @@
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
 # TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernels.py,
-# e.g. "--quick"), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --profile W4A16"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
+# e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --profile W4A16"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
 # is limited to 600 s, so the defaults leave room for the machine's start).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +21,7 @@ TEST_PATHS=${TEST_PATHS:-tests}
 T_TESTS=${T_TESTS:-240}
 T_BENCH=${T_BENCH:-300}
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${NO_INSTALL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed" | tee "$OUT/env.txt"; exit 1; }
 fi
