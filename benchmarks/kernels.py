@@ -11,7 +11,7 @@ writes codes + scales. Shapes: [8192, 8192] and [64, 2048, 7168] (MoE experts), 
 Peers, each if importable: ModelOpt fp4_fake_quant_block (Triton, NVFP4), torchao
 NVFP4Tensor / MXTensor quantize + dequantize under torch.compile, and our torch emulator
 under torch.compile. NVFP4 (nvfp4, nvfp4_act) is measured with the default kernel ($QF_NVFP4_KERNEL,
-v2 unless set) and, in the same run, with the old one (v1) and the lane-exchange layout (v2x), whose
+auto unless set) and, in the same run, with the old one (v1), v2 and the lane-exchange layout (v2x), whose
 outputs on the benchmark tensor are also compared bit for bit. Writes kernels.json and kernels.md to --out.
 """
 from __future__ import annotations
@@ -142,7 +142,8 @@ def main():
             attempt(shape, fmt, "qatfactory CUDA fwd", lambda: K.fake_quantize(x, fmt, **kw), 2 * nb, note)
             if nv:
                 # before/after in the same run: the old kernel (v1) and the lane-exchange layout (v2x)
-                for ver, label in (("v1", "v1 (old kernel)"), ("v2x", "v2x (lane exchange)")):
+                for ver, label in (("v1", "v1 (old kernel)"), ("v2", "v2 (thread per block)"),
+                                   ("v2x", "v2x (lane exchange)")):
                     with nvfp4_kernel(ver):
                         attempt(shape, fmt, f"qatfactory CUDA fwd, {label}", lambda: K.fake_quantize(x, fmt, **kw),
                                 2 * nb, note.split(";")[0])

@@ -307,7 +307,7 @@ def test_nvfp4_kernel_versions_agree_bitwise(fmt, dtype, monkeypatch):
                 if scales is not None:
                     assert not (scales == 0xFF).any(), f"{label}: a scale byte was not written"
             y1, c1, s1 = outs["v1"]
-            for ver in VERSIONS[1:]:
+            for ver in [v for v in VERSIONS if v != "v1"]:
                 y2, c2, s2 = outs[ver]
                 label = f"{fmt} {dtype} {what} mode {mode}: {ver} vs v1"
                 if mode & 5:

@@ -23,11 +23,12 @@ rules) and CUDA graph capture. The CUDA path never synchronises with the host; t
 does not validate values the way the emulator does (NaN/Inf inputs, a negative amax): a NaN
 in a block gives that block a NaN scale (MX: byte 0xFF) instead of an exception.
 
-NVFP4 (nvfp4, nvfp4_act) runs ``nvfp4_qdq16`` by default: one thread per 16-element block,
-the per-tensor constants precomputed per group by a one-thread-per-group launch
-(``nvfp4_consts``). ``QF_NVFP4_KERNEL=v1`` selects the original ``fp4_qdq`` kernel and
-``v2x`` the warp-coalesced layout of nvfp4_qdq16 (see ``nvfp4_kernel_version``); all give
-the same bits.
+NVFP4 (nvfp4, nvfp4_act) forward and quantize-only run ``nvfp4_qdq16``: one thread per
+16-element block, the per-tensor constants precomputed per group by a one-thread-per-group
+launch (``nvfp4_consts``); weights read their own 32 bytes per thread (v2), activations use the
+warp-coalesced lane-exchange layout (v2x); the clipped-STE backward stays on the original
+``fp4_qdq`` (v1), which was faster there. ``QF_NVFP4_KERNEL=v1|v2|v2x`` forces one (see
+``nvfp4_kernel_version``); all give the same bits.
 """
 from __future__ import annotations
 
@@ -187,6 +188,10 @@ def _launch_fp4(x, fmt, amax, mode, g=None):
     if not n_vec:
         return y, codes, scales
     version = nvfp4_kernel_version() if (rule <= 1 and block == 16) else "v1"
+    if version == "auto":
+        # the fastest measured on an H200 (benchmarks/RESULTS.md), all bit-identical: the clipped-STE
+        # backward on v1 (93% of copy vs 88%), activations (RULE 1) on v2x, weights on v2
+        version = "v1" if mode & 4 else ("v2x" if rule == 1 else "v2")
     if version == "v1":
         expr = f"fp4_qdq<{_DT[x.dtype]},{block},{rule},{tie},{negz},{mode}>"
         grid = (n_vec + _THREADS - 1) // _THREADS
@@ -209,17 +214,18 @@ def _launch_fp4(x, fmt, amax, mode, g=None):
     return y, codes, scales
 
 
-NVFP4_KERNELS = ("v1", "v2", "v2x")
+NVFP4_KERNELS = ("auto", "v1", "v2", "v2x")
 
 
 def nvfp4_kernel_version() -> str:
     """Which NVFP4 (nvfp4 / nvfp4_act) kernel _launch_fp4 uses, from $QF_NVFP4_KERNEL (read at
     every launch, so a benchmark can switch it between calls):
-    ``v2`` (default) nvfp4_qdq16, one thread per 16-element block reading its own 32/64 bytes;
+    ``auto`` (default) the fastest of the three per rule and direction, as measured on an H200;
+    ``v2`` nvfp4_qdq16, one thread per 16-element block reading its own 32/64 bytes;
     ``v2x`` nvfp4_qdq16 with the warp-coalesced loads + lane exchange (bf16/fp16; fp32 runs v2);
     ``v1`` the original fp4_qdq (16 bytes per thread, the block scale computed per lane).
     All three give the same bits."""
-    v = os.environ.get("QF_NVFP4_KERNEL", "").strip().lower() or "v2"
+    v = os.environ.get("QF_NVFP4_KERNEL", "").strip().lower() or "auto"
     if v not in NVFP4_KERNELS:
         raise ValueError(f"QF_NVFP4_KERNEL={v!r}; allowed: {', '.join(NVFP4_KERNELS)}")
     return v
