@@ -36,6 +36,7 @@ def variants(fmt: str):
         "QAT W4A16 (CE)": ["method=qat", w16, "method.eval_teacher=false"],
         "QAT W4A4 (CE)": ["method=qat", w4, "method.eval_teacher=false"],
         "QAD W4A16 live teacher": ["method=qad", w16],
+        "QAD W4A16 live teacher, grad ckpt": ["method=qad", w16, "train.grad_ckpt=true"],
         "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
         "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
     }

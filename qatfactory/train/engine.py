@@ -96,8 +96,9 @@ def seed_all(seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg: RunConfig):
-    """(model, tokenizer, source_dir) of cfg.model, in model.dtype."""
+def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
+    """(model, tokenizer, source_dir) of cfg.model, in model.dtype. A random-init model is built
+    directly on ``device`` when that is a GPU (seconds instead of a minute of CPU init for 1B)."""
     m = cfg.model
     dtype = _DTYPES[m.dtype]
     path = m.path
@@ -113,9 +114,11 @@ def build_model(cfg: RunConfig):
                          max_position_embeddings=t.max_position_embeddings, bos_token_id=256,
                          initializer_range=t.initializer_range, eos_token_id=257,
                          pad_token_id=258)
-        with torch.random.fork_rng():
+        on_gpu = device is not None and device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if on_gpu else []):
             torch.manual_seed(m.init_seed)
-            model = LlamaForCausalLM(hf)
+            with torch.device(device if on_gpu else "cpu"):
+                model = LlamaForCausalLM(hf)
         return model.to(dtype), load_tokenizer(m.tokenizer), None
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory (a local Hugging Face model dir)")
@@ -304,7 +307,7 @@ def _run(cfg: RunConfig, eval_only: bool, step_cache) -> Dict[str, Any]:
     t0 = time.time()
 
     # -- data and models
-    model, tok, source_dir = build_model(cfg)
+    model, tok, source_dir = build_model(cfg, dev)
     if device == "cuda":
         # calibration and the teacher copy then run on the GPU (DeepSpeed would move it anyway)
         model.to(dev)
