@@ -7,11 +7,16 @@
 # 2. pytest -m cuda over tests/            -> $OUT/pytest_cuda.log
 # 3. benchmarks/kernels.py                 -> $OUT/kernels.md, kernels.json, bench_kernels.log
 # 4. benchmarks/step.py, benchmarks/export.py when they exist -> $OUT/bench_<name>.log
+# 5. stage `pipeline` (not in the default STAGES): benchmarks/gpu/pipeline.sh run, both GPUs, ~6 min
+#    -> $OUT/pipeline.json, pipeline.md, pipeline_launches.log, pipeline_curves.png, pipeline.log
+#    (carry .gpu/ with the SmolLM2 GGUF parts made by `bash benchmarks/gpu/pipeline.sh pack`)
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
 # TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernels.py,
 # e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --profile W4A16"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
-# is limited to 600 s, so the defaults leave room for the machine's start).
+# is limited to 600 s, so the defaults leave room for the machine's start), T_PIPE (stage pipeline's timeout,
+# default 360; the script's own budget is T_PIPE - 20 so it reports before the kill), PIPE_ARGS (for pipeline.py,
+# e.g. "--parts 1 --p1-steps 8 --p1-ckpt 4").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -20,6 +25,7 @@ STAGES=${STAGES:-"tests kernels step export"}
 TEST_PATHS=${TEST_PATHS:-tests}
 T_TESTS=${T_TESTS:-240}
 T_BENCH=${T_BENCH:-300}
+T_PIPE=${T_PIPE:-360}
 
 if [ -z "${NO_INSTALL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -60,7 +66,11 @@ for stage in $STAGES; do
             else
                 echo "benchmarks/$stage.py not present: skipped"
             fi ;;
-        *) echo "unknown stage $stage (allowed: tests kernels step export)"; rc=2 ;;
+        pipeline)
+            timeout -k 15 "$T_PIPE" bash benchmarks/gpu/pipeline.sh run --out "$OUT" --budget $(( T_PIPE - 20 )) \
+                ${PIPE_ARGS:-} 2>&1 | tee "$OUT/pipeline.log"
+            r=${PIPESTATUS[0]}; [ "$r" -ne 0 ] && rc=$r ;;
+        *) echo "unknown stage $stage (allowed: tests kernels step export pipeline)"; rc=2 ;;
     esac
     echo "== stage $stage: $(( $(date +%s) - t0 )) s"
 done

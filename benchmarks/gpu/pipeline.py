@@ -1,0 +1,1461 @@
+"""One GPU pipeline for two acceptance runs, sized for ~6 minutes on 2 H200s (run.sh stage ``pipeline``).
+
+Part 1 (issue 5): ``deepspeed --num_gpus N -m qatfactory.train`` ZeRO-3 QAD (live bf16 teacher,
+nvfp4_w4a16) of a ~1.1B random Llama-shaped model (hidden 2048, 16 layers, vocab 32000, untied) on
+synthetic tokens, seq 2048. Launch 1 runs all N steps and checkpoints at step k; launch 2 resumes
+from that checkpoint into another run directory and finishes. The losses of steps k+1..N of the two
+launches are compared (max abs difference, reported, not demanded to be zero on GPU), then the final
+student is exported (vLLM ModelOpt NVFP4, llama.cpp GGUF) and ``qatfactory verify`` checks each export.
+
+Part 2 (issue 7): SmolLM2-135M-Instruct from its packaged GGUF, carried in ``split -b`` parts
+(``smollm2.gguf.part-aa`` ...) found in ``.gpu/`` and ``/tmp/qf-parts/`` (earlier calls may have
+stashed some there), reassembled and checked against the sha256 of the asset's provenance record,
+turned into a local HF directory by ``qatfactory.assets.prepare_model_dir``; the Wikipedia split is
+written to JSONL files by ``qatfactory.demo.prepare_data``; QAD under the deepspeed launcher
+(``train=gpu_multi``, ``model=local``, ``data=files``, seq 2048, ``method=qad``: 5e-6 constant),
+then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's evaluation
+(``qatfactory.demo.HeldOut``), export (vLLM + GGUF) and verify; optionally GSM8K (greedy).
+
+CPU work overlaps GPU work: the asset preparation of part 2 runs while part 1 trains, the exports
+and verifications of part 1 run while part 2 trains. A time budget (``--budget``) skips what no
+longer fits, and ``pipeline.json`` / ``pipeline.md`` are rewritten after every stage, so a run cut
+short still reports what it measured.
+
+    python benchmarks/gpu/pipeline.py --out $OUT --budget 340     # the GPU run (via pipeline.sh / run.sh)
+    python benchmarks/gpu/pipeline.py --smoke --out /tmp/pipe     # CPU: tiny model, 2 gloo ranks, same code path
+
+Output (``--out``): ``pipeline.json`` (every number), ``pipeline.md`` (tables), ``pipeline_launches.log``
+(head and tail of each subprocess log), ``pipeline_curves.png`` (losses). Bulky files (checkpoints,
+students, exports) stay in ``--work``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = time.time()
+PART_PREFIX = "smollm2.gguf.part-"
+MANIFEST = "smollm2.gguf.parts.json"
+STASH_DIR = Path("/tmp/qf-parts")
+ASSET_NAMES = ("smollm2", "wiki", "gsm8k")
+# NCCL multicast (NVLS) stays off on the lent machines; run.sh exports the same
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class PipelineError(RuntimeError):
+    """A stage failed for a reason the report states (missing part, bad checksum, launch failure)."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM (run.sh's timeout): stop children, write the report, exit."""
+
+
+def say(msg: str) -> None:
+    print(f"[pipe {time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def du(p: Path) -> int:
+    p = Path(p)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+
+
+def sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(p: Path) -> List[dict]:
+    if not Path(p).exists():
+        return []
+    return [json.loads(l) for l in Path(p).read_text().splitlines() if l.strip()]
+
+
+# ============================================================================ budget
+class Budget:
+    def __init__(self, seconds: float, reserve: float = 8.0):
+        self.deadline = T0 + seconds
+        self.reserve = reserve
+
+    def left(self) -> float:
+        return self.deadline - time.time() - self.reserve
+
+    def timeout(self, cap: float) -> float:
+        return max(1.0, min(cap, self.left()))
+
+
+# ============================================================================ subprocesses
+_CHILDREN: List[subprocess.Popen] = []
+_CHILD_LOCK = threading.Lock()
+# held while the report is serialized and while an export thread updates its record
+REC_LOCK = threading.RLock()
+
+# lines of a training / export subprocess worth echoing to the pipeline's own log: the trainer's
+# messages and summary, the exporters' verdicts, and anything that looks like a failure
+_ECHO_START = ("[qatfactory]", "run: ", "method=", "eval/", "verdict:", "exported ", "qatfactory ", "Traceback")
+_ECHO_ANY = ("Error", "FAILED", "out of memory", "Killed", "exits with return code")
+
+
+def interesting(line: str) -> bool:
+    return line.startswith(_ECHO_START) or any(k in line for k in _ECHO_ANY)
+
+
+class Proc:
+    """A child in its own process group (so the whole group can be stopped), output to a log file;
+    selected lines are echoed with a tag and a timestamp. ``poll`` runs every 0.2 s in a thread of its
+    own while the child lives (the main thread may be busy evaluating meanwhile)."""
+
+    def __init__(self, tag: str, cmd: List[str], log: Path, env: Dict[str, str], cwd: Path = REPO,
+                 poll: Optional[Callable[[], None]] = None):
+        self.tag, self.cmd, self.log = tag, [str(c) for c in cmd], log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.time()
+        self._f = open(log, "w")
+        self._f.write("$ " + " ".join(self.cmd) + "\n")
+        self._f.flush()
+        self.p = subprocess.Popen(self.cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace", bufsize=1, start_new_session=True)
+        with _CHILD_LOCK:
+            _CHILDREN.append(self.p)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+        self._poll = poll
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True) if poll is not None else None
+        if self._poller is not None:
+            self._poller.start()
+        self.rc: Optional[int] = None
+        self.timed_out = False
+        self.seconds = 0.0
+
+    def _pump(self) -> None:
+        for line in self.p.stdout:
+            self._f.write(line)
+            if interesting(line):
+                print(f"[{self.tag} +{time.time() - self.t0:5.1f}s] {line.rstrip()[:300]}", flush=True)
+        self._f.flush()
+
+    def _poll_loop(self) -> None:
+        while self.p.poll() is None:
+            try:
+                self._poll()
+            except Exception as e:        # a watcher must never stop the run
+                print(f"[{self.tag}] watcher: {type(e).__name__}: {e}", flush=True)
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> int:
+        end = time.time() + max(1.0, timeout)
+        while self.p.poll() is None:
+            if time.time() > end:
+                self.timed_out = True
+                say(f"{self.tag}: timed out after {timeout:.0f} s; stopping it")
+                stop(self.p)
+                break
+            time.sleep(0.2)
+        self.p.wait()
+        self._reader.join(timeout=10)
+        if self._poller is not None:
+            self._poller.join(timeout=5)
+            self._poll()
+        self._f.close()
+        self.rc = self.p.returncode
+        self.seconds = time.time() - self.t0
+        with _CHILD_LOCK:
+            if self.p in _CHILDREN:
+                _CHILDREN.remove(self.p)
+        return self.rc
+
+    def tail(self, n: int = 25) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+def stop(p: subprocess.Popen) -> None:
+    """SIGTERM to the child's own process group (its deepspeed ranks too), SIGKILL after 10 s."""
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop_children() -> None:
+    with _CHILD_LOCK:
+        kids = list(_CHILDREN)
+    for p in kids:
+        stop(p)
+
+
+def child_env(a, threads: Optional[int] = None, hide_gpus: bool = False) -> Dict[str, str]:
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    pp = env.get("PYTHONPATH", "")
+    if str(REPO) not in pp.split(os.pathsep):
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
+    env.update(NCCL_ENV)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if a.gpu:
+        # DeepSpeed's op builder wants a plain arch (the H200 image defaults to "9.0a")
+        env["TORCH_CUDA_ARCH_LIST"] = env.get("TORCH_CUDA_ARCH_LIST", "9.0").rstrip("a") or "9.0"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+# ============================================================================ GPU memory
+class GpuMonitor:
+    """Samples nvidia-smi's memory.used per GPU every 500 ms; peak(t0, t1) per GPU index, MiB.
+    With one process per GPU under the launcher this is each rank's peak (context and allocator
+    cache included); rank 0's torch.cuda.max_memory_allocated comes from the trainer's metrics."""
+
+    def __init__(self, enabled: bool):
+        self.samples: List[Tuple[float, int, float]] = []
+        self.p = None
+        self.names: List[str] = []
+        if not enabled or shutil.which("nvidia-smi") is None:
+            return
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+            self.names = [l.strip() for l in q.stdout.splitlines() if l.strip()]
+            self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
+                                       "-lms", "500"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                      start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            say(f"nvidia-smi unavailable ({e}); no per-rank GPU memory")
+            self.p = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            try:
+                i, used = line.split(",")
+                self.samples.append((time.time(), int(i), float(used)))
+            except ValueError:
+                continue
+
+    def peak(self, t0: float, t1: float) -> Optional[Dict[str, float]]:
+        if self.p is None:
+            return None
+        out: Dict[str, float] = {}
+        for t, i, m in self.samples:
+            if t0 <= t <= t1:
+                out[str(i)] = max(out.get(str(i), 0.0), m)
+        return out
+
+    def close(self) -> None:
+        if self.p is not None:
+            stop(self.p)
+
+
+# ============================================================================ assets (part 2)
+def find_parts(dirs: Sequence[Path]) -> Dict[str, Path]:
+    """``smollm2.gguf.part-*`` by name over the directories; the first directory holding a name wins."""
+    found: Dict[str, Path] = {}
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for p in sorted(d.glob(PART_PREFIX + "*")):
+            if p.is_file() and not p.name.endswith(".tmp") and p.name not in found:
+                found[p.name] = p
+    return found
+
+
+def find_manifest(dirs: Sequence[Path]) -> Optional[dict]:
+    for d in dirs:
+        m = Path(d) / MANIFEST
+        if m.is_file():
+            return json.loads(m.read_text())
+    return None
+
+
+def assemble(parts: Dict[str, Path], dest: Path, want_sha: str, manifest: Optional[dict] = None) -> Dict[str, Any]:
+    """Concatenate the parts in name order (split's aa, ab, ... order) into dest, atomically, and
+    check the sha256 against the provenance record; a wrong or incomplete set raises PipelineError
+    naming what is missing or which hash differed."""
+    if manifest is not None:
+        missing = [n for n in manifest["parts"] if n not in parts]
+        if missing:
+            raise PipelineError(f"GGUF parts missing: {missing} (found {sorted(parts)}); carry .gpu/{missing[0]} "
+                                f"or stash it in {STASH_DIR}/ in an earlier call")
+        for n, meta in manifest["parts"].items():
+            size = parts[n].stat().st_size
+            if size != meta["bytes"]:
+                raise PipelineError(f"GGUF part {parts[n]} has {size} bytes, the manifest says {meta['bytes']} "
+                                    f"(a truncated copy?)")
+        extra = sorted(set(parts) - set(manifest["parts"]))
+        if extra:
+            raise PipelineError(f"GGUF parts {extra} are not in the manifest {sorted(manifest['parts'])}; "
+                                f"remove stale parts from .gpu/ or {STASH_DIR}/")
+    if not parts:
+        raise PipelineError(f"no {PART_PREFIX}* files found")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for name in sorted(parts):
+            with open(parts[name], "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+                    out.write(chunk)
+    got = h.hexdigest()
+    if got != want_sha:
+        tmp.unlink()
+        raise PipelineError(f"reassembled GGUF sha256 {got} != provenance file_sha256 {want_sha} "
+                            f"(parts used: {[str(parts[n]) for n in sorted(parts)]}); a part is missing or corrupt")
+    os.replace(tmp, dest)
+    return {"parts": {n: str(parts[n]) for n in sorted(parts)}, "bytes": dest.stat().st_size, "sha256": got,
+            "sha256_ok": True}
+
+
+def split_file(src: Path, out_dir: Path, n: int = 2) -> Dict[str, Path]:
+    """What ``split -b`` makes (parts aa, ab, ...) plus a manifest; pack and the smoke run use it."""
+    size = src.stat().st_size
+    step = -(-size // n)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts, man = {}, {"source": src.name, "bytes": size, "sha256": sha256_file(src), "parts": {}}
+    with open(src, "rb") as f:
+        for i in range(n):
+            name = PART_PREFIX + "a" + chr(ord("a") + i)
+            data = f.read(step)
+            write_bytes_atomic(out_dir / name, data)
+            parts[name] = out_dir / name
+            man["parts"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_atomic(out_dir / MANIFEST, json.dumps(man, indent=1))
+    return parts
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def stash(src_dir: Path, stash_dir: Path) -> List[str]:
+    """Copy the parts, manifest and asset files of src_dir (.gpu/) into stash_dir (/tmp/qf-parts/),
+    so a later call on the same machine finds what this one carried."""
+    copied = []
+    if not src_dir.is_dir():
+        return copied
+    items = [p for p in src_dir.glob(PART_PREFIX + "*") if p.is_file()]
+    if (src_dir / MANIFEST).is_file():
+        items.append(src_dir / MANIFEST)
+    if (src_dir / "assets").is_dir():
+        items += [p for p in (src_dir / "assets").rglob("*") if p.is_file()]
+    for p in items:
+        dst = stash_dir / p.relative_to(src_dir)
+        if dst.exists() and dst.stat().st_size == p.stat().st_size:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        shutil.copyfile(p, tmp)
+        os.replace(tmp, dst)
+        copied.append(str(p.relative_to(src_dir)))
+    return copied
+
+
+def user_cache() -> Path:
+    return Path(os.environ.get("QATFACTORY_CACHE", Path.home() / ".cache" / "qatfactory"))
+
+
+def setup_assets(a, cache: Path) -> Dict[str, Any]:
+    """Fill cache/assets/<name>/ (the layout qatfactory.assets.fetch reads, so nothing is downloaded):
+    provenance records and data files from the asset dirs (.gpu/assets/<name>/, /tmp/qf-parts/assets/<name>/)
+    or, as a last resort, this machine's own cache; the GGUF reassembled from its parts."""
+    from qatfactory import assets
+    info: Dict[str, Any] = {}
+    search = [Path(d) / "assets" for d in a.asset_dirs] + [user_cache() / "assets"]
+    for name in ASSET_NAMES:
+        member = Path(assets.ASSETS[name].member).name
+        prov = next((d / name / "provenance.json" for d in search if (d / name / "provenance.json").is_file()), None)
+        if prov is None:
+            if name == "gsm8k":
+                info[name] = {"status": "missing (optional)"}
+                continue
+            raise PipelineError(f"asset {name}: no provenance.json in {[str(d / name) for d in search]}; "
+                                f"run `bash benchmarks/gpu/pipeline.sh pack` locally and carry .gpu/")
+        rec = json.loads(prov.read_text())
+        dst = cache / "assets" / name
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(prov, dst / "provenance.json")
+        target = dst / member
+        if name == "smollm2":
+            info[name] = place_gguf(a, target, rec["file_sha256"])
+        else:
+            src = next((d / name / member for d in search if (d / name / member).is_file()), None)
+            if src is None:
+                if name == "gsm8k":
+                    info[name] = {"status": "missing (optional)"}
+                    continue
+                raise PipelineError(f"asset {name}: {member} not found in {[str(d / name) for d in search]}")
+            got = sha256_file(src)
+            if got != rec["file_sha256"]:
+                raise PipelineError(f"asset {name}: {src} sha256 {got} != provenance {rec['file_sha256']}")
+            if not target.exists():
+                shutil.copyfile(src, target)
+            info[name] = {"file": str(src), "sha256": got, "sha256_ok": True}
+        info[name]["provenance"] = {k: rec.get(k) for k in ("package", "wheel", "wheel_sha256", "file_sha256",
+                                                             "license", "what")}
+    return info
+
+
+def place_gguf(a, target: Path, want_sha: str) -> Dict[str, Any]:
+    if target.exists() and sha256_file(target) == want_sha:
+        return {"reused": str(target), "sha256": want_sha, "sha256_ok": True, "bytes": target.stat().st_size}
+    dirs = [Path(d) for d in a.asset_dirs]
+    parts = find_parts(dirs)
+    if not parts and a.smoke:
+        # the smoke run exercises the reassembly with this machine's cached GGUF cut in two
+        src = user_cache() / "assets" / "smollm2" / target.name
+        if not src.is_file():
+            raise PipelineError(f"smoke: no GGUF parts and no cached {src}")
+        pdir = Path(a.work) / "parts"
+        split_file(src, pdir)
+        dirs.append(pdir)
+        parts = find_parts(dirs)
+    r = assemble(parts, target, want_sha, find_manifest(dirs))
+    r["dirs_searched"] = [str(d) for d in dirs]
+    return r
+
+
+def quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def prep_part2(a, res: Dict[str, Any]) -> None:
+    """Runs in a thread while part 1 trains: assets -> local HF model dir -> data files."""
+    try:
+        t = time.time()
+        quiet_transformers()
+        cache = Path(a.work) / "cache"
+        if a.stash_dir and (REPO / ".gpu").is_dir():
+            res["stashed"] = stash(REPO / ".gpu", Path(a.stash_dir))
+        res["assets"] = setup_assets(a, cache)
+        os.environ["QATFACTORY_CACHE"] = str(cache)
+        from qatfactory import assets, demo
+        t1 = time.time()
+        model_dir = assets.prepare_model_dir("smollm2")
+        res["model_dir"] = str(model_dir)
+        res["model_dir_s"] = time.time() - t1
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        glob_batch = a.p2_micro * a.world * a.p2_accum
+        # the wiki training split holds ~1M SmolLM2 tokens: when the run wants more, the files hold
+        # what fits and the trainer repeats epochs (data.Order)
+        steps = a.p2_steps
+        while True:
+            s = demo.Settings(steps=steps, seq_len=a.p2_seq, micro_batch=glob_batch, eval_samples=a.p2_eval_samples,
+                              calib_samples=a.p2_calib, seed=0)
+            try:
+                res["data"] = demo.prepare_data(tok, s, cache)
+                break
+            except ValueError:
+                if steps <= 1:
+                    raise
+                steps //= 2
+        res["data"]["steps_covered_by_files"] = steps
+        res["seconds"] = time.time() - t
+        res["ok"] = True
+    except Exception as e:  # reported; part 1 goes on
+        res["ok"] = False
+        res["error"] = f"{type(e).__name__}: {e}"
+
+
+# ============================================================================ training launches
+def launcher(a) -> List[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.world), "--master_port",
+            str(free_port()), "--module", "qatfactory.train"]
+
+
+class MetricsTail:
+    """Polls a run's metrics.jsonl: prints each new step compactly and notes when it arrived."""
+
+    def __init__(self, tag: str, run_dir: Path):
+        self.tag, self.path, self.n, self.arrived = tag, Path(run_dir) / "metrics.jsonl", 0, {}
+
+    def __call__(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            recs = read_jsonl(self.path)
+        except json.JSONDecodeError:      # a line being written
+            return
+        for r in recs[self.n:]:
+            if "loss" in r:
+                self.arrived.setdefault(r["step"], time.time())
+                say(f"{self.tag} step {r['step']}: loss {r['loss']:.5f}, {r['step_ms']:.0f} ms, "
+                    f"{r['tokens_per_s']:.0f} tok/s, rank-0 peak {r['mem_gb']:.2f} GiB")
+            elif "eval/ce" in r:
+                say(f"{self.tag} eval at step {r['step']}: " +
+                    ", ".join(f"{k[5:]} {v:.4g}" for k, v in r.items() if k.startswith("eval/")))
+        self.n = len(recs)
+
+
+class CkptWatch:
+    """Times a checkpoint from outside: its .tmp directory appearing until the renamed one appears."""
+
+    def __init__(self, run_dir: Path, step: int):
+        self.root = Path(run_dir) / "checkpoints"
+        self.tmp, self.final = self.root / f".tmp-step-{step:06d}", self.root / f"step-{step:06d}"
+        self.t_start = self.t_end = None
+
+    def __call__(self) -> None:
+        if self.t_start is None and (self.tmp.exists() or self.final.exists()):
+            self.t_start = time.time()
+        if self.t_end is None and self.final.exists():
+            self.t_end = time.time()
+
+    def seconds(self) -> Optional[float]:
+        if self.t_start is None or self.t_end is None:
+            return None
+        return self.t_end - self.t_start
+
+
+def train_stats(run_dir: Path, skip: int = 2) -> Dict[str, Any]:
+    recs = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    timed = [r for r in recs if r["step"] > recs[0]["step"] + skip - 1] if len(recs) > skip else recs
+    out: Dict[str, Any] = {"steps_logged": len(recs), "losses": {str(r["step"]): r["loss"] for r in recs}}
+    if timed:
+        out["ms_per_step_median"] = statistics.median(r["step_ms"] for r in timed)
+        out["tokens_per_s_median"] = statistics.median(r["tokens_per_s"] for r in timed)
+        out["steps_timed"] = [timed[0]["step"], timed[-1]["step"]]
+    if recs:
+        out["rank0_torch_peak_gib"] = max(r["mem_gb"] for r in recs)
+    sp = Path(run_dir) / "summary.json"
+    if sp.exists():
+        s = json.loads(sp.read_text())
+        out["trainer"] = {k: s.get(k) for k in ("steps", "tokens", "time_s", "world_size", "eval_first", "eval_last",
+                                                "student_dir")}
+    return out
+
+
+def run_launch(a, tag: str, overrides: List[str], run_dir: Path, budget: Budget, cap: float, mon: GpuMonitor,
+               watch: Optional[CkptWatch] = None, block: bool = True):
+    """Start one `deepspeed -m qatfactory.train` launch; block=False returns (proc, finish) where
+    finish() waits and returns the record."""
+    cmd = launcher(a) + overrides
+    say(f"{tag}: launching ({len(overrides)} overrides) -> {run_dir}")
+    t0 = time.time()
+    tail = MetricsTail(tag, run_dir)
+
+    def poll():
+        tail()
+        if watch is not None:
+            watch()
+
+    p = Proc(tag, cmd, Path(a.work) / "logs" / f"{tag}.log", child_env(a, threads=None if a.gpu else 1), poll=poll)
+
+    def finish() -> Dict[str, Any]:
+        p.wait(budget.timeout(cap) - (time.time() - t0))
+        rec: Dict[str, Any] = {"command": "deepspeed --num_gpus %d -m qatfactory.train %s" % (a.world, " ".join(overrides)),
+                               "rc": p.rc, "wall_s": p.seconds, "timed_out": p.timed_out, "log": str(p.log)}
+        first = min(tail.arrived.values()) if tail.arrived else None
+        if first is not None:
+            rec["launch_to_first_step_s"] = first - t0
+        rec["gpu_peak_mib_per_rank"] = mon.peak(t0, time.time())
+        rec.update(train_stats(run_dir))
+        if p.rc != 0:
+            rec["error_tail"] = p.tail(30)
+            say(f"{tag}: FAILED rc={p.rc}" + (" (timed out)" if p.timed_out else "") + f"\n{p.tail(15)}")
+        else:
+            say(f"{tag}: done in {p.seconds:.1f} s")
+        return rec
+
+    if block:
+        return finish()
+    return p, finish
+
+
+# ============================================================================ export + verify
+class ExportJob:
+    """qatfactory export -> qatfactory verify of one engine, in a thread (CPU only, GPUs hidden),
+    so it overlaps the next GPU stage."""
+
+    def __init__(self, a, tag: str, student: Path, engine: str, flavour: str, out_root: Path, budget: Budget,
+                 source_dir: Optional[str] = None):
+        self.rec: Dict[str, Any] = {"engine": engine, "flavour": flavour, "status": "running"}
+        self.a, self.tag, self.student, self.engine, self.flavour = a, tag, student, engine, flavour
+        self.edir = out_root / f"{engine}-{flavour}"
+        self.vjson = out_root / f"{engine}-{flavour}.verify.json"
+        self.source_dir, self.budget = source_dir, budget
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _cli(self, what: str, args: List[str]) -> Proc:
+        threads = max(1, ((os.cpu_count() or 2) - 4) // 2) if self.a.gpu else 1
+        p = Proc(f"{self.tag}-{what}-{self.engine}", [sys.executable, "-m", "qatfactory.cli", what] + args,
+                 Path(self.a.work) / "logs" / f"{self.tag}-{what}-{self.engine}-{self.flavour}.log",
+                 child_env(self.a, threads=threads, hide_gpus=True))
+        p.wait(self.budget.timeout(1e9))
+        return p
+
+    def _set(self, **kw) -> None:
+        with REC_LOCK:
+            self.rec.update(kw)
+
+    def _run(self) -> None:
+        try:
+            args = [str(self.student), "--engine", self.engine, "--flavour", self.flavour, "--out", str(self.edir),
+                    "--force"] + (["--source-dir", self.source_dir] if self.source_dir else [])
+            self._set(export_command="qatfactory export " + " ".join(args))
+            p = self._cli("export", args)
+            self._set(export_s=p.seconds, export_rc=p.rc)
+            if p.rc != 0:
+                # rc 2: refused with a reason (every target chosen here is one the exporters support)
+                self._set(status="export refused" if p.rc == 2 else "export failed", error=p.tail(6))
+                return
+            self._set(bytes=du(self.edir), path=str(self.edir))
+            args = [str(self.edir), "--against", str(self.student), "--json", str(self.vjson), "--quiet"]
+            self._set(verify_command="qatfactory verify " + " ".join(args))
+            p = self._cli("verify", args)
+            r: Dict[str, Any] = {"verify_s": p.seconds, "verify_rc": p.rc}
+            if self.vjson.exists():
+                v = json.loads(self.vjson.read_text())
+                checks = v.get("checks", [])
+                r["verify_ok"] = bool(v.get("ok"))
+                r["checks"] = {st: sum(c["status"] == st for c in checks) for st in ("ok", "FAIL", "skip")}
+                r["failures"] = [f"{c['tensor']}: {c['check']}: {c['detail']}"[:200]
+                                 for c in checks if c["status"] == "FAIL"][:8]
+                lg = v.get("logits") or {}
+                r["logits"] = {k: lg[k] for k in list(lg)[:6]} if isinstance(lg, dict) else {}
+            else:
+                r["verify_ok"] = False
+                r["error"] = p.tail(6)
+            r["status"] = "PASS" if r["verify_ok"] else "FAIL"
+            self._set(**r)
+        except Exception as e:
+            self._set(status="error", error=f"{type(e).__name__}: {e}")
+        finally:
+            r = self.rec
+            say(f"{self.tag} {self.engine}/{self.flavour}: {r['status']}"
+                + (f" (export {r.get('export_s', 0):.1f} s, verify {r.get('verify_s', 0):.1f} s)"
+                   if "verify_s" in r else ""))
+
+    def join(self, timeout: float) -> Dict[str, Any]:
+        self.th.join(max(0.0, timeout))
+        if self.th.is_alive():
+            self._set(status="not finished in the budget")
+        return self.rec
+
+
+# ============================================================================ part 1
+def p1_overrides(a) -> List[str]:
+    if a.smoke:
+        model = ["model=tiny_llama", "model.dtype=float32", "model.tiny.tie_word_embeddings=false",
+                 f"model.tiny.num_hidden_layers={a.p1_layers}", "model.tiny.initializer_range=0.3"]
+        prec = ["train.precision=fp32", "train.device=cpu"]
+    else:
+        # benchmarks/step.py's model: a random Llama, hidden 2048, 16 heads / 8 KV heads, MLP 5632, vocab 32000
+        model = ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=32000",
+                 "model.tiny.hidden_size=2048", "model.tiny.intermediate_size=5632",
+                 f"model.tiny.num_hidden_layers={a.p1_layers}", "model.tiny.num_attention_heads=16",
+                 "model.tiny.num_key_value_heads=8", "model.tiny.tie_word_embeddings=false"]
+        prec = ["train.precision=bf16", "train.device=cuda"]
+    n = a.p1_steps * a.p1_micro * a.world
+    return model + prec + [
+        "method=qad", "format=nvfp4_w4a16", "train=gpu_multi", "data=synthetic", f"data.synthetic={n}",
+        f"data.seq_len={a.p1_seq}", "data.eval_samples=2", f"train.max_steps={a.p1_steps}",
+        # keep every periodic checkpoint: the one of step k must survive for the resumed launch
+        f"train.save_every={a.p1_ckpt}", "train.save_final=false", f"train.keep_last={a.p1_steps // a.p1_ckpt + 1}",
+        f"train.micro_batch={a.p1_micro}", "train.grad_accum=1", f"train.optimizer={a.p1_optimizer}",
+        "train.eval_every=0", "train.eval_samples=2", "train.progress=false", "train.plots=false",
+        "train.tensorboard=false", "method.calib_samples=2"]
+
+
+def compare_losses(first: Dict[str, float], resumed: Dict[str, float], k: int, n: int) -> Dict[str, Any]:
+    steps = list(range(k + 1, n + 1))
+    missing = [s for s in steps if str(s) not in first or str(s) not in resumed]
+    if missing:
+        return {"steps": steps, "missing_steps": missing, "max_abs_diff": None, "bit_equal": False}
+    a = [first[str(s)] for s in steps]
+    b = [resumed[str(s)] for s in steps]
+    d = [abs(x - y) for x, y in zip(a, b)]
+    return {"steps": steps, "uninterrupted": a, "resumed": b, "abs_diff": d, "max_abs_diff": max(d),
+            "max_rel_diff": max(x / max(abs(y), 1e-30) for x, y in zip(d, a)), "bit_equal": a == b}
+
+
+def part1(a, rep: "Report", budget: Budget, mon: GpuMonitor) -> List[ExportJob]:
+    P = rep.data["part1"]
+    P.update(status="running", model_layers=a.p1_layers, steps=a.p1_steps, ckpt_step=a.p1_ckpt, seq_len=a.p1_seq,
+             micro_batch_per_rank=a.p1_micro, world=a.world, optimizer=a.p1_optimizer,
+             tokens_per_step=a.p1_micro * a.world * a.p1_seq)
+    work = Path(a.work) / "p1"
+    if work.exists():
+        shutil.rmtree(work)
+    over = p1_overrides(a)
+    run1, run2 = work / "run1", work / "run2"
+    if budget.left() < a.p1_min_s:
+        P["status"] = f"skipped: {budget.left():.0f} s left, part 1 needs ~{a.p1_min_s:.0f} s"
+        return []
+    watch = CkptWatch(run1, a.p1_ckpt)
+    r1 = run_launch(a, "p1-run1", over + ["train.save_student=false", f"run_dir={run1}"], run1, budget,
+                    a.p1_cap, mon, watch)
+    P["run1"] = r1
+    ck = run1 / "checkpoints" / f"step-{a.p1_ckpt:06d}"
+    if ck.is_dir():
+        mt = [f.stat().st_mtime for f in ck.rglob("*") if f.is_file()]
+        # two views of the save time: the directory watch from outside (0.2 s polls) and the span of
+        # the files' modification times (first file finished -> last file finished)
+        P["checkpoint"] = {"step": a.p1_ckpt, "bytes": du(ck), "save_s": watch.seconds(), "path": str(ck),
+                           "files": len(mt), "mtime_span_s": max(mt) - min(mt) if mt else None}
+    rep.save()
+    if r1["rc"] != 0 or not ck.is_dir():
+        P["status"] = "failed: launch 1" + ("" if ck.is_dir() else f" (no checkpoint {ck.name})")
+        return []
+    if budget.left() < a.p1_min_s * 0.8:
+        P["status"] = f"partial: no time left for the resumed launch ({budget.left():.0f} s)"
+        return []
+    r2 = run_launch(a, "p1-run2", over + ["train.save_student=true", f"run_dir={run2}", f"resume={ck}"], run2,
+                    budget, a.p1_cap, mon)
+    P["run2"] = r2
+    P["resume"] = compare_losses(r1.get("losses", {}), r2.get("losses", {}), a.p1_ckpt, a.p1_steps)
+    rs = P["resume"]
+    if rs["max_abs_diff"] is not None:
+        say(f"p1 resume: steps {a.p1_ckpt + 1}..{a.p1_steps}, max |loss diff| {rs['max_abs_diff']:.3g}, "
+            f"bit equal: {rs['bit_equal']}")
+    rep.save()
+    student = run2 / "student"
+    if r2["rc"] != 0 or not student.is_dir():
+        P["status"] = "failed: launch 2 (resume)" + ("" if student.is_dir() else ", no student")
+        return []
+    P["status"] = "trained; exports running"
+    jobs = [ExportJob(a, "p1", student, eng, fl, work / "exports", budget) for eng, fl in a.p1_exports]
+    P["exports"] = [j.rec for j in jobs]
+    return jobs
+
+
+# ============================================================================ part 2
+def p2_overrides(a, fmt: str, prep: Dict[str, Any], run_dir: Path) -> List[str]:
+    d = prep["data"]
+    over = ["model=local", f"model.path={prep['model_dir']}", "model.dtype=bfloat16", f"format={fmt}", "method=qad",
+            "train=gpu_multi", "data=files", f"data.train=[{d['train']}]", f"data.eval=[{d['eval']}]",
+            f"data.seq_len={a.p2_seq}", f"data.eval_samples={a.p2_eval_samples}",
+            f"train.eval_samples={min(a.p2_eval_samples, 2 * a.world)}", f"train.max_steps={a.p2_steps}",
+            f"train.micro_batch={a.p2_micro}", f"train.grad_accum={a.p2_accum}", f"train.lr={a.p2_lr:g}",
+            "train.schedule=constant", "train.warmup_steps=0", "train.eval_every=0", "train.save_every=0",
+            "train.save_final=false", "train.save_student=true", f"train.optimizer={a.p2_optimizer}",
+            "train.progress=false", "train.plots=false", "train.tensorboard=false", "train.seed=0",
+            f"method.calib_samples={a.p2_calib}", f"run_dir={run_dir}"]
+    over += ["train.device=cuda", "train.precision=bf16"] if a.gpu else ["train.device=cpu", f"train.precision={a.p2_cpu_precision}"]
+    return over
+
+
+def p2_exports(fmt: str) -> List[Tuple[str, str]]:
+    # ModelOpt has no MXFP4 linear (exporters/vllm.py refuses it): MXFP4 goes to vLLM as compressed-tensors
+    return [("vllm", "modelopt" if fmt.startswith("nvfp4") else "compressed-tensors"), ("llama_cpp", "gguf")]
+
+
+class Part2Eval:
+    """The demo's held-out evaluation (qatfactory.demo.HeldOut) for teacher, PTQ and QAD students,
+    in this process on the first GPU (or the CPU in the smoke run)."""
+
+    def __init__(self, a, prep: Dict[str, Any]):
+        import torch
+        from qatfactory.train.data import DataConfig, load_data
+        from transformers import AutoTokenizer
+        self.a, self.prep = a, prep
+        self.dev = "cuda:0" if a.gpu else "cpu"
+        self.model_dir = prep["model_dir"]
+        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        d = prep["data"]
+        self.dcfg = DataConfig(train=[d["train"]], eval=[d["eval"]], eval_samples=a.p2_eval_samples, seq_len=a.p2_seq)
+        from transformers import AutoConfig
+        vocab = AutoConfig.from_pretrained(self.model_dir).vocab_size
+        self.train_s, eval_s = load_data(self.dcfg, self.tok, vocab, 0)
+        if len(eval_s) > a.p2_eval_samples:
+            eval_s = eval_s.slice(0, a.p2_eval_samples)
+        self.eval_s = eval_s
+        self.held = None
+        self.torch = torch
+
+    def _load(self):
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.torch.bfloat16).to(self.dev)
+
+    def teacher(self) -> Dict[str, Any]:
+        from qatfactory import demo
+        t = time.time()
+        m = self._load()
+        self.held = demo.HeldOut(self.eval_s, max(1, min(4, len(self.eval_s))), self.dev)
+        self.held.fill_teacher(m, self.torch.bfloat16)
+        r = self.held.evaluate(m)
+        r["params"] = sum(p.numel() for p in m.parameters())
+        r["seconds"] = time.time() - t
+        self._free(m)
+        return r
+
+    def ptq(self, fmt: str) -> Tuple[Dict[str, Any], Any]:
+        """The PTQ baseline calibrated as the trainer calibrates: the recipe's QuantConfig, the first
+        method.calib_samples training samples."""
+        from qatfactory import demo
+        from qatfactory import quantize as Q
+        from qatfactory.train.config import compose
+        t = time.time()
+        qcfg = compose([f"format={fmt}"]).quant
+        m = self._load()
+        Q.prepare(m, qcfg)
+        calib = [self.train_s.select([i]) for i in range(min(self.a.p2_calib, len(self.train_s)))]
+        Q.calibrate(m, [{"input_ids": b["input_ids"].to(self.dev), "attention_mask": b["attn"].to(self.dev)}
+                        for b in calib], qcfg.calib_method)
+        r = self.held.evaluate(m)
+        r["bits"] = demo.bits_per_param(Q.coverage(m).raise_if_errors())
+        r["seconds"] = time.time() - t
+        return r, m
+
+    def qad(self, student_dir: Path) -> Tuple[Dict[str, Any], Any]:
+        from qatfactory import quantize as Q
+        t = time.time()
+        m = Q.load_student(str(student_dir)).to(self.dev)
+        r = self.held.evaluate(m)
+        r["seconds"] = time.time() - t
+        return r, m
+
+    def _free(self, m) -> None:
+        del m
+        import gc
+        gc.collect()
+        if self.torch.cuda.is_available():
+            self.torch.cuda.empty_cache()
+
+
+def gsm8k_eval(model, tok, problems: List[dict], max_new: int, dev: str, batch: int = 50) -> Dict[str, Any]:
+    """Greedy answers to GSM8K questions through the chat template; a problem counts as solved when the
+    last number of the answer equals the reference after '####'."""
+    import re
+    import torch
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    num = re.compile(r"-?\d[\d,]*\.?\d*")
+
+    def norm(x: str) -> Optional[str]:
+        x = x.replace(",", "").rstrip(".")
+        try:
+            v = float(x)
+        except ValueError:
+            return None
+        return str(int(v)) if v == int(v) else str(v)
+
+    correct, outs = 0, []
+    t = time.time()
+    model.eval()
+    for i in range(0, len(problems), batch):
+        chunk = problems[i:i + batch]
+        ask = "\nSolve step by step and end with the final number."
+        if getattr(tok, "chat_template", None):
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p["question"] + ask}], tokenize=False,
+                                               add_generation_prompt=True) for p in chunk]
+        else:       # a base model's tokenizer: plain question / answer text
+            prompts = [f"Question: {p['question']}{ask}\nAnswer:" for p in chunk]
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        for p, g in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
+            text = tok.decode(g, skip_special_tokens=True)
+            gold = norm(p["answer"].split("####")[-1].strip())
+            found = num.findall(text)
+            pred = norm(found[-1]) if found else None
+            correct += int(pred is not None and pred == gold)
+            outs.append(pred)
+    return {"problems": len(problems), "correct": correct, "accuracy": correct / max(1, len(problems)),
+            "max_new_tokens": max_new, "seconds": time.time() - t, "predictions": outs}
+
+
+def part2(a, rep: "Report", budget: Budget, mon: GpuMonitor, prep: Dict[str, Any], prep_thread: threading.Thread):
+    P = rep.data["part2"]
+    P["status"] = "waiting for the asset preparation"
+    prep_thread.join(max(1.0, budget.left()))
+    P["prep"] = {k: v for k, v in prep.items() if k != "data"}
+    if not prep.get("ok"):
+        P["status"] = "skipped: " + prep.get("error", "asset preparation did not finish in the budget")
+        say(f"part 2: {P['status']}")
+        return []
+    P["data"] = prep["data"]
+    P.update(seq_len=a.p2_seq, steps=a.p2_steps, micro_batch_per_rank=a.p2_micro, grad_accum=a.p2_accum,
+             world=a.world, lr=a.p2_lr, tokens_per_step=a.p2_micro * a.p2_accum * a.world * a.p2_seq,
+             optimizer=a.p2_optimizer, formats={})
+    ev = Part2Eval(a, prep)
+    P["eval_tokens_target"] = len(ev.eval_s) * a.p2_seq
+    jobs: List[ExportJob] = []
+    keep: Dict[str, Any] = {}
+    for i, fmt in enumerate(a.p2_formats):
+        F = P["formats"][fmt] = {"status": "running"}
+        need = a.p2_min_s if i == 0 else a.p2_min_s + a.p2_export_s
+        if budget.left() < need:
+            F["status"] = f"skipped: {budget.left():.0f} s left, this format needs ~{need:.0f} s"
+            say(f"part 2 {fmt}: {F['status']}")
+            continue
+        run_dir = Path(a.work) / "p2" / f"qad-{fmt}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        proc, finish = run_launch(a, f"p2-{fmt}", p2_overrides(a, fmt, prep, run_dir), run_dir, budget, a.p2_cap,
+                                  mon, block=False)
+        # the launch spends its first tens of seconds importing and loading on the CPU: the
+        # teacher and PTQ evaluations on GPU 0 overlap it
+        try:
+            if ev.held is None:
+                P["teacher"] = ev.teacher()
+                say(f"part 2 teacher held-out: ppl {P['teacher']['ppl']:.3f} over {P['teacher']['tokens']:.0f} tokens")
+            F["ptq"], m = ev.ptq(fmt)
+            say(f"part 2 {fmt} PTQ held-out: KL {F['ptq']['kl']:.4f}, ppl {F['ptq']['ppl']:.3f}")
+            if i == 0 and a.gsm8k:
+                keep["ptq"] = m.cpu()
+            ev._free(m)
+        except Exception as e:
+            F["eval_error"] = f"{type(e).__name__}: {e}"
+            say(f"part 2 {fmt}: evaluation failed: {F['eval_error']}")
+        rep.save()
+        rec = finish()
+        F["train"] = rec
+        student = run_dir / "student"
+        if rec["rc"] != 0 or not student.is_dir():
+            F["status"] = "failed: training launch"
+            rep.save()
+            continue
+        try:
+            F["qad"], m = ev.qad(student)
+            say(f"part 2 {fmt} QAD held-out: KL {F.get('ptq', {}).get('kl', float('nan')):.4f} -> {F['qad']['kl']:.4f}, "
+                f"ppl {F.get('ptq', {}).get('ppl', float('nan')):.3f} -> {F['qad']['ppl']:.3f}")
+            if i == 0 and a.gsm8k:
+                keep["qad"] = m.cpu()
+            ev._free(m)
+        except Exception as e:
+            F["eval_error"] = f"{type(e).__name__}: {e}"
+        F["status"] = "trained; exports running"
+        jobs_f = [ExportJob(a, f"p2-{fmt}", student, eng, fl, run_dir / "exports", budget, prep["model_dir"])
+                  for eng, fl in p2_exports(fmt)]
+        F["exports"] = [j.rec for j in jobs_f]
+        jobs += jobs_f
+        rep.save()
+    if a.gsm8k and keep:
+        G = P["gsm8k"] = {}
+        try:
+            from qatfactory import assets
+            problems = assets.gsm8k()[:a.gsm8k]
+            models = [("teacher", None), ("ptq", keep.get("ptq")), ("qad", keep.get("qad"))]
+            for name, m in models:
+                if budget.left() < a.gsm8k_min_s:
+                    G[name] = {"status": f"skipped: {budget.left():.0f} s left"}
+                    continue
+                m = ev._load() if m is None else m.to(ev.dev)
+                G[name] = gsm8k_eval(m, ev.tok, problems, a.gsm8k_tokens, ev.dev)
+                say(f"part 2 GSM8K {name} ({a.p2_formats[0]}): {G[name]['correct']}/{G[name]['problems']}")
+                ev._free(m)
+                rep.save()
+        except Exception as e:
+            G["error"] = f"{type(e).__name__}: {e}"
+    return jobs
+
+
+# ============================================================================ report
+class Report:
+    def __init__(self, a):
+        self.a, self.out = a, Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.data: Dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(T0)),
+                                     "smoke": a.smoke, "budget_s": a.budget, "argv": sys.argv[1:],
+                                     "environment": environment(), "part1": {"status": "not run"},
+                                     "part2": {"status": "not run"}}
+    def save(self, final: bool = False) -> None:
+        with REC_LOCK:
+            self.data["elapsed_s"] = time.time() - T0
+            self.data["final"] = final
+            write_atomic(self.out / "pipeline.json", json.dumps(self.data, indent=1, default=str))
+            write_atomic(self.out / "pipeline.md", markdown(self.data))
+
+
+def environment() -> Dict[str, Any]:
+    import importlib.metadata as md
+    env: Dict[str, Any] = {"python": platform.python_version(), "host_cpus": os.cpu_count()}
+    for pkg in ("torch", "deepspeed", "transformers", "gguf", "compressed-tensors", "safetensors"):
+        try:
+            env[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            env["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    env.update({k: os.environ.get(k) for k in list(NCCL_ENV) + ["TORCH_CUDA_ARCH_LIST"] if os.environ.get(k)})
+    return env
+
+
+def _f(v, fmt: str = ".1f", dash: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return dash
+    return format(v, fmt)
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def _peaks(p: Optional[Dict[str, float]]) -> str:
+    if not p:
+        return "-"
+    return ", ".join(f"GPU{k} {v / 1024:.1f}" for k, v in sorted(p.items()))
+
+
+def _export_rows(rows: List[Dict[str, Any]], label: str) -> List[str]:
+    L = []
+    for e in rows:
+        size = f"{e['bytes'] / 2**20:.1f} MiB" if "bytes" in e else "-"
+        extra = ""
+        if e.get("failures"):
+            extra = "; ".join(e["failures"][:3])
+        elif e.get("error"):
+            extra = e["error"].strip().splitlines()[-1][:160] if e["error"].strip() else ""
+        ch = e.get("checks") or {}
+        checks = f"{ch.get('ok', 0)} ok / {ch.get('FAIL', 0)} fail / {ch.get('skip', 0)} skip" if ch else "-"
+        L.append(f"| {label} | {e['engine']} / {e['flavour']} | {_f(e.get('export_s'))} s | {size} | **{e['status']}** | "
+                 f"{checks} | {_f(e.get('verify_s'))} s | {extra} |")
+    return L
+
+
+def markdown(d: Dict[str, Any]) -> str:
+    env = d["environment"]
+    L = ["# GPU pipeline: ZeRO-3 resume acceptance (part 1) and the SmolLM2 recipe (part 2)\n"]
+    L.append(f"Started {d['started']}; elapsed {d.get('elapsed_s', 0):.0f} s of a {d['budget_s']:.0f} s budget"
+             + (" (**smoke run on CPU: numbers check the script only**)" if d["smoke"] else "") + ".  ")
+    L.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n")
+    v = d.get("verdict")
+    if v:
+        L.append(f"**Verdict: {'OK' if v['ok'] else 'PROBLEMS'}**" + "".join(f"\n- problem: {x}" for x in v["problems"])
+                 + "".join(f"\n- skipped: {x}" for x in v["skipped"]) + "\n")
+
+    P = d["part1"]
+    L.append("## Part 1: ZeRO-3 QAD, checkpoint, resume, export, verify\n")
+    L.append(f"Status: **{P.get('status')}**.  ")
+    if "steps" in P:
+        L.append(f"Random Llama-shaped model ({P['model_layers']} layers; GPU run: hidden 2048, vocab 32000, untied), "
+                 f"QAD with a live bf16 teacher, `format=nvfp4_w4a16`, `train=gpu_multi` (ZeRO-3, grad checkpointing), "
+                 f"optimizer {P['optimizer']}, {P['world']} ranks x micro-batch {P['micro_batch_per_rank']} x "
+                 f"{P['seq_len']} tokens = {P['tokens_per_step']} tokens/step; {P['steps']} steps, checkpoint at step "
+                 f"{P['ckpt_step']}; launch 2 resumes from it in another run directory.\n")
+        L.append("| launch | rc | wall | launch -> first step | ms/step (median) | tokens/s | rank-0 torch peak | "
+                 "peak per rank (nvidia-smi, GiB) |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---|")
+        for k in ("run1", "run2"):
+            r = P.get(k)
+            if not r:
+                continue
+            L.append(f"| {k} | {r['rc']}{' (timeout)' if r.get('timed_out') else ''} | {_f(r.get('wall_s'))} s | "
+                     f"{_f(r.get('launch_to_first_step_s'))} s | {_f(r.get('ms_per_step_median'))} | "
+                     f"{_f(r.get('tokens_per_s_median'), '.0f')} | {_f(r.get('rank0_torch_peak_gib'), '.2f')} GiB | "
+                     f"{_peaks(r.get('gpu_peak_mib_per_rank'))} |")
+        L.append("")
+        c = P.get("checkpoint")
+        if c:
+            L.append(f"Checkpoint at step {c['step']}: {_gib(c['bytes'])} in {c['files']} files; save time "
+                     f"{_f(c.get('save_s'), '.2f')} s from its temporary directory appearing to its rename (polled "
+                     f"every 0.2 s), {_f(c.get('mtime_span_s'), '.2f')} s between the first and the last file "
+                     f"written.\n")
+        rs = P.get("resume")
+        if rs:
+            if rs.get("max_abs_diff") is None:
+                L.append(f"Resume comparison: steps missing from a log: {rs.get('missing_steps')}.\n")
+            else:
+                L.append(f"Resume: steps {rs['steps'][0]}..{rs['steps'][-1]}, max |loss(uninterrupted) - "
+                         f"loss(resumed)| = **{rs['max_abs_diff']:.3g}** (relative {rs['max_rel_diff']:.3g}); "
+                         f"bit-equal: {rs['bit_equal']}.\n")
+                L.append("| step | uninterrupted | resumed | abs diff |\n|---:|---:|---:|---:|")
+                for s, x, y, dd in zip(rs["steps"], rs["uninterrupted"], rs["resumed"], rs["abs_diff"]):
+                    L.append(f"| {s} | {x:.6f} | {y:.6f} | {dd:.3g} |")
+                L.append("")
+        for k in ("run1", "run2"):
+            r = P.get(k)
+            if r and r.get("error_tail"):
+                L.append(f"{k} failed; log tail:\n\n```\n{r['error_tail'][-2500:]}\n```\n")
+        if P.get("exports"):
+            L.append("| student | engine / flavour | export (CLI wall, incl. load+convert) | size | verify | checks | "
+                     "verify wall | notes |")
+            L.append("|---|---|---:|---:|---|---|---:|---|")
+            L += _export_rows(P["exports"], "run2 final")
+            L.append("")
+
+    Q = d["part2"]
+    L.append("## Part 2: SmolLM2-135M-Instruct (packaged GGUF) -> QAD on Wikipedia -> export -> verify\n")
+    L.append(f"Status: **{Q.get('status')}**.  ")
+    prep = Q.get("prep") or {}
+    sm = (prep.get("assets") or {}).get("smollm2")
+    if sm:
+        L.append(f"GGUF: sha256 `{sm.get('sha256')}` matches the provenance record: {sm.get('sha256_ok')} "
+                 f"(parts: {', '.join(Path(p).name + ' from ' + str(Path(p).parent) for p in (sm.get('parts') or {}).values()) or sm.get('reused')}); "
+                 f"HF directory built by `assets.prepare_model_dir` in {_f(prep.get('model_dir_s'))} s.  ")
+    if Q.get("data"):
+        dd = Q["data"]
+        L.append(f"Data: {dd.get('split_rule')}; files hold {dd.get('articles')} articles "
+                 f"(training files cover {dd.get('steps_covered_by_files')} steps, later steps repeat epochs).  ")
+    if "steps" in Q:
+        L.append(f"QAD: `train=gpu_multi` (ZeRO-3), {Q['world']} ranks x {Q['micro_batch_per_rank']} x accum "
+                 f"{Q['grad_accum']} x {Q['seq_len']} = {Q['tokens_per_step']} tokens/step, {Q['steps']} steps, lr "
+                 f"{Q['lr']:g} constant, {Q['optimizer']}; evaluation: `qatfactory.demo.HeldOut` (full-vocabulary "
+                 f"forward KL to the bf16 teacher) on {Q.get('eval_tokens_target')} held-out tokens.\n")
+    T = Q.get("teacher")
+    if T or Q.get("formats"):
+        L.append("| format | model | KL to teacher (nats/token) | perplexity | top-1 agreement | bits/weight |")
+        L.append("|---|---|---:|---:|---:|---:|")
+        if T:
+            L.append(f"| - | teacher bf16 | {T['kl']:.4f} | {T['ppl']:.3f} | {T['top1']:.3f} | 16 |")
+        for fmt, F in (Q.get("formats") or {}).items():
+            for st in ("ptq", "qad"):
+                m = F.get(st)
+                if m:
+                    bits = (F.get("ptq") or {}).get("bits", {}).get("bits_quantized")
+                    L.append(f"| {fmt} | {st.upper()} | {m['kl']:.4f} | {m['ppl']:.3f} | {m['top1']:.3f} | "
+                             f"{_f(bits, '.3f')} |")
+        L.append("")
+        L.append("| format | status | rc | wall | launch -> first step | ms/step | tokens/s | rank-0 torch peak | "
+                 "peak per rank (GiB) | trainer eval KL first -> last |")
+        L.append("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
+        for fmt, F in (Q.get("formats") or {}).items():
+            r = F.get("train") or {}
+            tr = r.get("trainer") or {}
+            kl0 = (tr.get("eval_first") or {}).get("eval/kl")
+            kl1 = (tr.get("eval_last") or {}).get("eval/kl")
+            L.append(f"| {fmt} | {F.get('status')} | {r.get('rc', '-')} | {_f(r.get('wall_s'))} s | "
+                     f"{_f(r.get('launch_to_first_step_s'))} s | {_f(r.get('ms_per_step_median'))} | "
+                     f"{_f(r.get('tokens_per_s_median'), '.0f')} | {_f(r.get('rank0_torch_peak_gib'), '.2f')} GiB | "
+                     f"{_peaks(r.get('gpu_peak_mib_per_rank'))} | {_f(kl0, '.4f')} -> {_f(kl1, '.4f')} |")
+        L.append("")
+        ex = [(fmt, e) for fmt, F in (Q.get("formats") or {}).items() for e in F.get("exports", [])]
+        if ex:
+            L.append("| student | engine / flavour | export (CLI wall, incl. load+convert) | size | verify | checks | "
+                     "verify wall | notes |")
+            L.append("|---|---|---:|---:|---|---|---:|---|")
+            for fmt, e in ex:
+                L += _export_rows([e], f"QAD {fmt}")
+            L.append("")
+        for fmt, F in (Q.get("formats") or {}).items():
+            r = F.get("train") or {}
+            if r.get("error_tail"):
+                L.append(f"{fmt} training failed; log tail:\n\n```\n{r['error_tail'][-2500:]}\n```\n")
+            if F.get("eval_error"):
+                L.append(f"{fmt} evaluation error: `{F['eval_error']}`\n")
+    G = Q.get("gsm8k")
+    if G:
+        L.append("GSM8K (greedy, chat template, last number vs the reference): " + "; ".join(
+            f"{k} {v['correct']}/{v['problems']}" if "correct" in v else f"{k} {v.get('status', v)}"
+            for k, v in G.items() if isinstance(v, dict)) + (f"; error {G['error']}" if "error" in G else "") + ".\n")
+    L.append("## Commands\n")
+    cmds = []
+    for k in ("run1", "run2"):
+        if (P.get(k) or {}).get("command"):
+            cmds.append(P[k]["command"])
+    for e in P.get("exports") or []:
+        cmds += [e[c] for c in ("export_command", "verify_command") if c in e]
+    for fmt, F in (Q.get("formats") or {}).items():
+        if (F.get("train") or {}).get("command"):
+            cmds.append(F["train"]["command"])
+        for e in F.get("exports") or []:
+            cmds += [e[c] for c in ("export_command", "verify_command") if c in e]
+    L.append("```sh\n" + "\n".join(cmds) + "\n```\n")
+    return "\n".join(L)
+
+
+def plot(d: Dict[str, Any], out: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    P = d["part1"]
+    for k, style in (("run1", "-"), ("run2", "--")):
+        ls = (P.get(k) or {}).get("losses") or {}
+        if ls:
+            xs = sorted(int(s) for s in ls)
+            axes[0].plot(xs, [ls[str(s)] for s in xs], style, marker="o", ms=3,
+                         label={"run1": "uninterrupted", "run2": "resumed"}[k])
+    axes[0].set_title("part 1: QAD loss, uninterrupted vs resumed", fontsize=9)
+    axes[0].set_xlabel("step")
+    if axes[0].lines:
+        axes[0].legend(fontsize=8)
+    for fmt, F in (d["part2"].get("formats") or {}).items():
+        ls = (F.get("train") or {}).get("losses") or {}
+        if ls:
+            xs = sorted(int(s) for s in ls)
+            axes[1].plot(xs, [ls[str(s)] for s in xs], label=f"{fmt} QAD loss")
+        if F.get("ptq"):
+            axes[1].axhline(F["ptq"]["kl"], ls=":", lw=1, color=axes[1].lines[-1].get_color() if axes[1].lines else "gray",
+                            label=f"{fmt} PTQ held-out KL")
+    axes[1].set_title("part 2: SmolLM2 QAD training loss (KL to teacher)", fontsize=9)
+    axes[1].set_xlabel("step")
+    if axes[1].lines:
+        axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    p = out / "pipeline_curves.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    return p
+
+
+def collect_logs(work: Path, out: Path, head: int = 60, tail: int = 400) -> None:
+    """Every subprocess log, head and tail, in one file (what comes back is limited to a few files)."""
+    parts = []
+    for f in sorted((work / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime):
+        lines = f.read_text(errors="replace").splitlines()
+        if len(lines) > head + tail:
+            lines = lines[:head] + [f"... [{len(lines) - head - tail} lines left out] ..."] + lines[-tail:]
+        parts.append(f"===== {f.name} =====\n" + "\n".join(line[:2000] for line in lines))
+    text = "\n\n".join(parts)
+    if len(text) > 12 * 2**20:
+        text = text[-12 * 2**20:]
+    write_atomic(out / "pipeline_launches.log", text)
+
+
+# ============================================================================ main
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or f"runs/gpu-pipeline-{time.strftime('%Y%m%d-%H%M%S')}",
+                   help="summary files (default: $OUT)")
+    p.add_argument("--work", default=None, help="checkpoints, students, exports, logs (default: /tmp/qf-pipeline, "
+                                                "smoke: <out>/work)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 gloo ranks, a few steps, same code path")
+    p.add_argument("--parts", default="1,2", help="which parts to run: 1, 2 or 1,2")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 340; smoke 900)")
+    p.add_argument("--world", type=int, default=2, help="ranks (GPUs) per launch")
+    p.add_argument("--asset-dirs", default=f"{REPO / '.gpu'}:{STASH_DIR}",
+                   help="where the GGUF parts and .../assets/<name>/ files are looked for (':'-separated)")
+    p.add_argument("--stash-dir", default=None, help=f"copy .gpu/ parts and assets here (GPU default: {STASH_DIR})")
+    g = p.add_argument_group("part 1")
+    g.add_argument("--p1-layers", type=int, default=None, help="default 16 (smoke 2)")
+    g.add_argument("--p1-steps", type=int, default=None, help="default 12 (smoke 4)")
+    g.add_argument("--p1-ckpt", type=int, default=None, help="checkpoint step k < steps; default 6 (smoke 2)")
+    g.add_argument("--p1-seq", type=int, default=None, help="default 2048 (smoke 32)")
+    g.add_argument("--p1-micro", type=int, default=None, help="micro-batch per rank; default 2 (smoke 1)")
+    g.add_argument("--p1-optimizer", default="adamw_torch", choices=("adamw_torch", "adamw_fused"),
+                   help="adamw_fused JIT-builds DeepSpeed's FusedAdam first (~1 min on a fresh machine)")
+    g.add_argument("--p1-cap", type=float, default=None, help="seconds per launch at most (default 180)")
+    g = p.add_argument_group("part 2")
+    g.add_argument("--p2-formats", default=None, help="default nvfp4_w4a16,mxfp4_w4a4 (the second one only if "
+                                                      "time allows; smoke: nvfp4_w4a16)")
+    g.add_argument("--p2-steps", type=int, default=None, help="default 60 (smoke 2)")
+    g.add_argument("--p2-seq", type=int, default=None, help="default 2048 (smoke 64)")
+    g.add_argument("--p2-micro", type=int, default=None, help="micro-batch per rank; default 2 (smoke 1)")
+    g.add_argument("--p2-accum", type=int, default=None, help="gradient accumulation; default 2 (smoke 1)")
+    g.add_argument("--p2-lr", type=float, default=5e-6, help="constant (method=qad's 5e-6)")
+    g.add_argument("--p2-eval-samples", type=int, default=None, help="held-out samples; default 10 (smoke 2)")
+    g.add_argument("--p2-calib", type=int, default=None, help="calibration samples; default 8 (smoke 2)")
+    g.add_argument("--p2-optimizer", default="adamw_torch", choices=("adamw_torch", "adamw_fused"))
+    g.add_argument("--p2-cap", type=float, default=None, help="seconds per training launch at most (default 150)")
+    g.add_argument("--gsm8k", type=int, default=None, help="GSM8K problems for teacher/PTQ/QAD (0: off); default 50 "
+                                                          "when time is left (smoke 2)")
+    g.add_argument("--gsm8k-tokens", type=int, default=None, help="new tokens per answer; default 256 (smoke 4)")
+    a = p.parse_args(list(argv))
+    smoke = a.smoke
+    dflt = dict(budget=(900.0, 340.0), p1_layers=(2, 16), p1_steps=(4, 12), p1_ckpt=(2, 6), p1_seq=(32, 2048),
+                p1_micro=(1, 2), p1_cap=(300.0, 180.0), p2_formats=("nvfp4_w4a16", "nvfp4_w4a16,mxfp4_w4a4"),
+                p2_steps=(2, 60), p2_seq=(64, 2048), p2_micro=(1, 2), p2_accum=(1, 2), p2_eval_samples=(2, 10),
+                p2_calib=(2, 8), p2_cap=(300.0, 150.0), gsm8k=(2, 50), gsm8k_tokens=(4, 256))
+    for k, (s, g_) in dflt.items():
+        if getattr(a, k) is None:
+            setattr(a, k, s if smoke else g_)
+    a.p2_formats = [f.strip() for f in a.p2_formats.split(",") if f.strip()]
+    a.parts = {x.strip() for x in a.parts.split(",") if x.strip()}
+    a.asset_dirs = [Path(x) for x in a.asset_dirs.split(":") if x]
+    if a.stash_dir is None and not smoke:
+        a.stash_dir = str(STASH_DIR)
+    if a.work is None:
+        a.work = str(Path(a.out) / "work") if smoke else "/tmp/qf-pipeline"
+    a.work = str(Path(a.work).resolve())
+    a.out = str(Path(a.out).resolve())
+    a.p1_exports = [("vllm", "modelopt"), ("llama_cpp", "gguf")]
+    # smallest remaining time worth starting a stage with
+    a.p1_min_s = 20.0 if smoke else 90.0
+    a.p2_min_s = 20.0 if smoke else 75.0
+    a.p2_export_s = 10.0 if smoke else 35.0     # a later format's exports + verify must fit too
+    a.gsm8k_min_s = 5.0 if smoke else 25.0
+    a.p2_cpu_precision = "bf16"
+    return a
+
+
+def check_args(a) -> None:
+    import torch
+    bad = sorted(a.parts - {"1", "2"})
+    if bad or not a.parts:
+        raise ValueError(f"--parts={','.join(sorted(a.parts))!r}; allowed: 1, 2 or 1,2")
+    for k in ("p1_layers", "p1_steps", "p1_ckpt", "p1_seq", "p1_micro", "p2_steps", "p2_seq", "p2_micro", "p2_accum",
+              "p2_eval_samples", "p2_calib", "world"):
+        if int(getattr(a, k)) < 1:
+            raise ValueError(f"--{k.replace('_', '-')}={getattr(a, k)!r}; allowed: an int >= 1")
+    if not a.p1_ckpt < a.p1_steps:
+        raise ValueError(f"--p1-ckpt={a.p1_ckpt} must be below --p1-steps={a.p1_steps} (the resumed launch needs "
+                         f"steps left to compare)")
+    if a.gsm8k < 0 or a.gsm8k_tokens < 1:
+        raise ValueError(f"--gsm8k={a.gsm8k}, --gsm8k-tokens={a.gsm8k_tokens}; allowed: >= 0 and >= 1")
+    if not a.p2_lr > 0 or not a.budget > 0:
+        raise ValueError(f"--p2-lr={a.p2_lr}, --budget={a.budget}; allowed: numbers > 0")
+    from qatfactory.train.config import recipes_dir
+    known = {p.stem for p in (recipes_dir() / "format").glob("*.yaml")}
+    unknown = [f for f in a.p2_formats if f not in known or f == "bf16"]
+    if unknown or not a.p2_formats:
+        raise ValueError(f"--p2-formats: unknown {unknown}; allowed: {sorted(known - {'bf16'})}")
+    a.gpu = not a.smoke
+    if a.gpu:
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device is visible; the CPU check of this script is --smoke")
+        if torch.cuda.device_count() < a.world:
+            raise ValueError(f"--world={a.world} but {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_args(a)
+    except ValueError as e:
+        print(f"pipeline: {e}", file=sys.stderr)
+        return 2
+    for k, v in NCCL_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    budget = Budget(a.budget)
+    rep = Report(a)
+    say(f"{'SMOKE (CPU) ' if a.smoke else ''}pipeline: parts {sorted(a.parts)}, budget {a.budget:.0f} s, "
+        f"out {a.out}, work {a.work}")
+    rep.save()
+
+    def on_term(signum, frame):
+        raise Interrupted()
+    signal.signal(signal.SIGTERM, on_term)
+
+    mon = GpuMonitor(a.gpu)
+    jobs: List[ExportJob] = []
+    prep: Dict[str, Any] = {}
+    prep_thread = threading.Thread(target=prep_part2, args=(a, prep), daemon=True)
+    rc = 0
+    try:
+        if "2" in a.parts:
+            prep_thread.start()          # CPU work, while part 1 keeps the GPUs busy
+        if "1" in a.parts:
+            jobs += part1(a, rep, budget, mon)
+            rep.save()
+        if "2" in a.parts:
+            jobs += part2(a, rep, budget, mon, prep, prep_thread)
+            rep.save()
+            if rep.data["part2"]["status"] in ("waiting for the asset preparation",):
+                rep.data["part2"]["status"] = "done"
+        for j in jobs:
+            j.join(budget.left())
+            rep.save()
+    except Interrupted:
+        say("SIGTERM: stopping children, writing the report")
+        rep.data["interrupted"] = "SIGTERM (time limit)"
+        rc = 124
+    except Exception as e:
+        import traceback
+        rep.data["crash"] = traceback.format_exc()[-4000:]
+        say(f"pipeline crashed: {type(e).__name__}: {e}")
+        rc = 1
+    finally:
+        stop_children()
+        mon.close()
+        finalize_status(rep.data)
+        try:
+            plot(rep.data, Path(a.out))
+        except Exception as e:      # a plot never hides the numbers
+            say(f"plot failed: {e}")
+        collect_logs(Path(a.work), Path(a.out))
+        rep.save(final=True)
+    say(f"done in {time.time() - T0:.0f} s: {a.out}/pipeline.md")
+    ok = rep.data.get("verdict", {}).get("ok", False)
+    return rc or (0 if ok else 1)
+
+
+def finalize_status(d: Dict[str, Any]) -> None:
+    """One verdict: every stage that ran succeeded (launches rc 0, every export written and verified
+    PASS); stages skipped for lack of time are listed, not failed."""
+    problems, skipped = [], []
+    P = d["part1"]
+    if P.get("status", "").startswith("skipped") or P.get("status") == "not run":
+        skipped.append(f"part 1: {P.get('status')}")
+    else:
+        for k in ("run1", "run2"):
+            if k in P and P[k]["rc"] != 0:
+                problems.append(f"part 1 {k}: rc {P[k]['rc']}")
+        if P.get("status", "").startswith(("failed", "partial")):
+            problems.append(f"part 1: {P['status']}")
+        bad = [e for e in P.get("exports") or [] if e["status"] != "PASS"]
+        problems += [f"part 1 export {e['engine']}/{e['flavour']}: {e['status']}" for e in bad]
+        if "exports" in P:
+            P["status"] = "done" if not bad else "exports with problems"
+    Q = d["part2"]
+    if Q.get("status", "").startswith("skipped") or Q.get("status") == "not run":
+        skipped.append(f"part 2: {Q.get('status')}")
+    for fmt, F in (Q.get("formats") or {}).items():
+        if F["status"].startswith("skipped"):
+            skipped.append(f"part 2 {fmt}: {F['status']}")
+            continue
+        if F["status"].startswith("failed") or F.get("eval_error"):
+            problems.append(f"part 2 {fmt}: {F['status']} {F.get('eval_error', '')}".strip())
+        for e in F.get("exports") or []:
+            if e["status"] != "PASS":
+                problems.append(f"part 2 {fmt} export {e['engine']}/{e['flavour']}: {e['status']}")
+        if F["status"].startswith("trained"):
+            F["status"] = "done"
+    if Q.get("formats") and Q.get("status") not in (None,) and not Q["status"].startswith("skipped"):
+        Q["status"] = "done" if not any(p.startswith("part 2") for p in problems) else "with failures"
+    if d.get("interrupted"):
+        problems.append(d["interrupted"])
+    if d.get("crash"):
+        problems.append("crash: " + d["crash"].strip().splitlines()[-1])
+    d["verdict"] = {"ok": not problems, "problems": problems, "skipped": skipped}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
