@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,9 @@ def one(name: str, over, args) -> dict:
     import torch
     from qatfactory.train.config import compose
     from qatfactory.train.engine import run
-    run_dir = Path(args.workdir) / (name.split(" (")[0].replace(" ", "_") + (f"_{args.tag}" if args.tag else ""))
+    # letters, digits and _ only: the path is a Hydra override value (a comma would make it a sweep)
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", name.split(" (")[0]).strip("_")
+    run_dir = Path(args.workdir) / (slug + (f"_{args.tag}" if args.tag else ""))
     n = args.steps * 4
     cfg = compose(MODEL + list(over) + [
         f"run_dir={run_dir}", "data.synthetic=%d" % n, "data.seq_len=2048", "data.eval_samples=1",

@@ -164,9 +164,12 @@ def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
                     return out
         raise ValueError(f"demo data: the split has {n} tokens, the run needs {need}; lower --steps/--seq-len")
 
-    # calibration articles first: the trainer calibrates on its first method.calib_samples samples
-    calib = take(splits["calib"], s.calib_samples * s.seq_len, 1.05)
-    train = take(splits["train"], need_train, 1.1)
+    # calibration articles first: the trainer calibrates on its first method.calib_samples samples;
+    # long sequences can need more than the 64 calibration articles: then the calibration set
+    # continues into the training articles, and training starts after the ones it took
+    calib = take(splits["calib"] + splits["train"], s.calib_samples * s.seq_len, 1.05)
+    borrowed = max(0, len(calib) - len(splits["calib"]))
+    train = take(splits["train"][borrowed:], need_train, 1.1)
     held = take(splits["eval"], need_eval, 1.05)
     d.mkdir(parents=True, exist_ok=True)
     for name, docs in (("train.jsonl", calib + train), ("eval.jsonl", held)):
@@ -179,7 +182,8 @@ def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
             "split_sizes": {k: len(v) for k, v in splits.items()},
             "source": {k: prov.get(k) for k in ("package", "wheel", "wheel_sha256", "file_sha256", "license", "what")},
             "split_rule": f"qatfactory.assets.wiki_splits(seed={s.seed}): articles sorted by title, shuffled "
-                          f"with random.Random({s.seed}); first 64 calibration, next 256 held-out, rest training"}
+                          f"with random.Random({s.seed}); first 64 calibration, next 256 held-out, rest training"
+                          + (f" ({borrowed} training articles lent to calibration)" if borrowed else "")}
     tmp = d / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, meta_p)

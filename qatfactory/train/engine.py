@@ -460,6 +460,9 @@ def _run(cfg: RunConfig, eval_only: bool, step_cache) -> Dict[str, Any]:
                "eval_first": history[0] if history else None, "eval_last": history[-1] if history else None,
                "eval_history": history}
     if not eval_only:
+        # ZeRO-3: the last forward can leave prefetched parameters in flight; release them all
+        # before _finalize gathers the full weights (GatheredParameters refuses in-flight ones)
+        engine.empty_partition_cache()
         summary.update(_finalize(cfg, student, run_dir, rank, source_dir))
     if rank == 0:
         name = f"eval-step-{step:06d}.json" if eval_only else "summary.json"
