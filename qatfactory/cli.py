@@ -53,8 +53,20 @@ def train_main(argv: List[str]) -> int:
         return 2
     from .train.config import compose
     from .train.engine import run
-    run(compose(argv))
+    s = run(compose(argv))
+    _shutdown(s.get("engine"))
     return 0
+
+
+def _shutdown(engine) -> None:
+    """Tear the engine and the process group down before the interpreter exits (leaving them to
+    exit-time destructors sometimes aborted a launcher rank after a successful run)."""
+    import torch.distributed as dist
+    if engine is not None and hasattr(engine, "destroy"):
+        engine.destroy()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def eval_main(argv: List[str]) -> int:
