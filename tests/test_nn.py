@@ -224,6 +224,8 @@ def test_quant_linear_backward_recomputes_instead_of_saving_fq_copies(wfmt, afmt
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 64, bias=True)
     m = QuantLinear(lin, wfmt, "dynamic", act_format=afmt, ste=ste)
+    assert not m.recompute_in_backward()      # auto: only where the CUDA kernels make a recompute cheap
+    m.recompute_fq = True
     if afmt == "nvfp4_act":
         m.input_quant.amax.fill_(2.0)
     x = (torch.randn(3, 5, 256) * 1.5).requires_grad_()

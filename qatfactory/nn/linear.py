@@ -38,6 +38,8 @@ class QuantLinear(nn.Module):
             self.input_quant.owner = name
         self.lora: Optional[LoRA] = None
         self._group: List["QuantLinear"] = [self]     # plain list: peers are not submodules
+        # recompute fq(W), fq(x) in backward instead of saving them: None = when the CUDA kernels run
+        self.recompute_fq: Optional[bool] = None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -83,10 +85,34 @@ class QuantLinear(nn.Module):
     def _quant_input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.input_quant is None else self.input_quant(x)
 
+    def recompute_in_backward(self) -> bool:
+        """Whether the training forward keeps only x and W and recomputes their fake quant in the
+        backward: ``self.recompute_fq`` when set, else when the fused CUDA kernels run both quantizers
+        (a recompute is one cheap launch there; with the torch emulator, e.g. on a CPU, it would
+        double the quantizers' cost, so F.linear keeps the quantized copies instead)."""
+        if self.recompute_fq is not None:
+            return bool(self.recompute_fq)
+        wq = self.weight_quant
+        key = (self.weight.device, self.weight.dtype, wq.strategy, wq.fmt_name)
+        hit = getattr(self, "_recompute_key", None)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        from .. import kernels
+        from .fake_quant import quant_kwargs
+        fmt = wq.fmt
+        probe = self.weight.detach()
+        # ggml types that take an importance matrix may run the emulator (checking would sync the host)
+        ok = not wq.uses_imatrix and kernels.why_not(probe, fmt.name, wq.ste, **quant_kwargs(
+            fmt, amax=torch.ones(1) if wq.strategy == "dynamic" else None, scales=wq.scale_bytes())) is None
+        if ok and self.input_quant is not None:
+            ok = kernels.why_not(probe, self.input_quant.fmt_name) is None
+        self._recompute_key = (key, ok)
+        return ok
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and self.lora is None and self.weight_quant.strategy != "learnable"
                 and not (self.input_quant is not None and self.input_quant.calibrating)
-                and (x.requires_grad or self.weight.requires_grad)):
+                and (x.requires_grad or self.weight.requires_grad) and self.recompute_in_backward()):
             amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
             return _QuantLinearFn.apply(x, self.weight, self.bias, self, amax)
         return F.linear(self._quant_input(x), self.quantized_weight(), self.bias)
