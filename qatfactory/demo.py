@@ -324,6 +324,23 @@ def fake_quant_seconds(model, preset: str) -> float:
     return t * layers
 
 
+def previous_run_seconds(runs: Path, s: Settings, skip: Path):
+    """(seconds, run dir) of the newest finished demo run under ``runs`` with the same settings,
+    or None. Its wall time includes what the forward/backward estimate leaves out (exports, the
+    parity gate, the optimizer, the trainer's own bookkeeping)."""
+    best = None
+    for r in sorted(Path(runs).glob("demo-*/results.json")):
+        if r.parent == skip:
+            continue
+        try:
+            d = json.loads(r.read_text())
+        except (OSError, ValueError):
+            continue
+        if d.get("settings") == json.loads(json.dumps(vars(s))) and isinstance(d.get("seconds"), (int, float)):
+            best = (float(d["seconds"]), str(r.parent))
+    return best
+
+
 def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float], n_eval_batches: int) -> float:
     """Seconds for the whole run from measured costs: the teacher's forward of one evaluation
     batch (scaled to a training micro-batch; forward+backward ~3x a forward) and each target's
@@ -393,7 +410,11 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     est = _estimate(s, fwd, held.mb, fq, n_eval_batches) + (time.time() - t_start)
     _say(f"measured here: teacher forward of {held.mb}x{s.seq_len} tokens {fwd:.2f} s; weight fake-quant "
          f"per forward " + ", ".join(f"{k} {v:.1f} s" for k, v in fq.items()) + " -> expected total for "
-         f"{len(s.targets)} targets x {s.steps} QAD steps: ~{_fmt_s(est)}")
+         f"{len(s.targets)} targets x {s.steps} QAD steps: at least ~{_fmt_s(est)} (forward/backward "
+         f"costs only)")
+    prev = previous_run_seconds(out.parent, s, out)
+    if prev is not None:
+        _say(f"expected: ~{_fmt_s(prev[0])}, as the last finished run with these settings here ({prev[1]})")
     results: Dict[str, Any] = {"settings": vars(s).copy(), "model_dir": str(model_dir), "model_provenance": model_prov,
                                "params": n_params, "data": data, "estimate_s": est, "targets": {}}
     results["teacher"] = held.evaluate(teacher)

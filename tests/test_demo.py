@@ -125,3 +125,18 @@ def test_demo_bad_arguments(argv, msg, capsys):
 def test_demo_missing_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         demo.run_demo(demo.settings_from(demo.parse_args(["--quick"])), tmp_path, tmp_path / "out")
+
+
+def test_expected_time_comes_from_the_newest_finished_run_with_the_same_settings(tmp_path):
+    from qatfactory.demo import Settings, previous_run_seconds
+    s = Settings()
+    other = Settings(steps=s.steps + 1)
+    for name, st, sec in (("demo-20260101-000000", s, 100.0), ("demo-20260102-000000", s, 200.0),
+                          ("demo-20260103-000000", other, 300.0)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"settings": vars(st), "seconds": sec}))
+    (tmp_path / "demo-20260104-000000").mkdir()          # an unfinished run: no results.json
+    assert previous_run_seconds(tmp_path, s, tmp_path / "x") == (200.0, str(tmp_path / "demo-20260102-000000"))
+    assert previous_run_seconds(tmp_path, s, tmp_path / "demo-20260102-000000")[0] == 100.0
+    assert previous_run_seconds(tmp_path, Settings(steps=99), tmp_path / "x") is None
