@@ -150,13 +150,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
         return nearest_int(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1)
 
     def sums(l):
+        # the reference's two running float32 sums, from +0 in element order; the products are
+        # formed for all elements at once (the same roundings), one add per element for both sums
         lf = l.float()
-        sumlx = torch.zeros_like(amax)
-        suml2 = torch.zeros_like(amax)
+        p = torch.stack([wx * lf, (w * lf) * lf], dim=1)          # [n, 2, G]: p[i] contiguous
+        acc = torch.zeros((2,) + tuple(amax.shape), dtype=torch.float32, device=x.device)
         for i in range(n):
-            sumlx.add_(wx[i] * lf[i])
-            suml2.add_((w[i] * lf[i]) * lf[i])
-        return sumlx, suml2
+            acc.add_(p[i])
+        return acc[0], acc[1]
 
     iscale = tdiv(float(-nmax), mxs)
     L = levels(iscale)
