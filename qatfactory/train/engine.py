@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_loss, lm_metrics
+from ..nn import step_cache
 from ..distill.teachers import (CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm)
 from . import checkpoint as ckpt
 from .config import NO_QUANT, RunConfig, to_dict, validate
@@ -288,13 +289,12 @@ def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, worl
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     """Train (or only calibrate and evaluate, for ptq) as cfg says; returns the summary dict.
     ``eval_only``: restore cfg.resume and evaluate it, no training."""
-    from ..nn import step_cache
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
     with step_cache.enabled():
-        return _run(cfg, eval_only, step_cache)
+        return _run(cfg, eval_only)
 
 
-def _run(cfg: RunConfig, eval_only: bool, step_cache) -> Dict[str, Any]:
+def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     import deepspeed
     cfg = validate(cfg)
     t = cfg.train
