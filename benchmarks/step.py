@@ -28,6 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=32000", "model.tiny.hidden_size=2048",
          "model.tiny.intermediate_size=5632", "model.tiny.num_hidden_layers=16", "model.tiny.num_attention_heads=16",
          "model.tiny.num_key_value_heads=8", "model.tiny.tie_word_embeddings=false"]
+# --model smollm2: SmolLM2-135M's shape (the pipeline's part 2 model), random weights; 4 x 2048 tokens is
+# what one rank of that run computes per optimizer step (2 x 2048 x accum 2)
+MODELS = {"llama1b": MODEL,
+          "smollm2": ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=49152",
+                      "model.tiny.hidden_size=576", "model.tiny.intermediate_size=1536",
+                      "model.tiny.num_hidden_layers=30", "model.tiny.num_attention_heads=9",
+                      "model.tiny.num_key_value_heads=3", "model.tiny.tie_word_embeddings=true"]}
 
 
 def variants(fmt: str):
@@ -51,7 +58,7 @@ def one(name: str, over, args) -> dict:
     slug = re.sub(r"[^A-Za-z0-9]+", "_", name.split(" (")[0]).strip("_")
     run_dir = Path(args.workdir) / (slug + (f"_{args.tag}" if args.tag else ""))
     n = args.steps * 4
-    cfg = compose(MODEL + list(over) + [
+    cfg = compose(MODELS[args.model] + list(over) + [
         f"run_dir={run_dir}", "data.synthetic=%d" % n, "data.seq_len=2048", "data.eval_samples=1",
         "train.micro_batch=4", "train.grad_accum=1", "train.precision=bf16", "train.optimizer=adamw_fused",
         "train.zero_stage=0", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_samples=1",
@@ -67,7 +74,7 @@ def one(name: str, over, args) -> dict:
         txt = [f"profile of '{name}', {args.steps} steps (setup included)\n"]
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             txt.append(f"\n== top 30 by {key}\n" + ka.table(sort_by=key, row_limit=30))
-        dest = Path(args.profile_dir or args.workdir) / ("profile_" + name.split(" (")[0].replace(" ", "_") + ".txt")
+        dest = Path(args.profile_dir or args.workdir) / ("profile_" + re.sub(r"[^A-Za-z0-9]+", "_", name.split(" (")[0]).strip("_") + ".txt")
         dest.write_text("".join(txt))
         print(f"[bench] profile written to {dest}", file=sys.stderr, flush=True)
     else:
@@ -141,6 +148,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
     ap.add_argument("--chunk", type=int, default=2048, help="loss chunk (tokens)")
+    ap.add_argument("--model", default="llama1b", choices=sorted(MODELS),
+                    help="llama1b: the table's model (default); smollm2: SmolLM2-135M's shape")
     ap.add_argument("--only", default=None, help="run one variant (internal: used by the parent process)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here (a folder: <folder>/step.json)")
@@ -188,7 +197,7 @@ def main():
     for name, extra in jobs:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
-               "--chunk", str(args.chunk)] + extra
+               "--chunk", str(args.chunk), "--model", args.model] + extra
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
         line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
@@ -205,7 +214,8 @@ def main():
     ok = [r for r in rows if "ms_per_step" in r and r["variant"].startswith(base_name)]
     # the ratio's denominator: the mean of the SFT runs made before and after the others
     base = {"ms_per_step": statistics.mean(r["ms_per_step"] for r in ok)} if ok else None
-    print(f"\nstep time, random Llama hidden 2048 x 16 layers, batch 4 x 2048, bf16, fused AdamW, "
+    shape = "hidden 2048 x 16 layers" if args.model == "llama1b" else "SmolLM2-135M shape (576 x 30 layers)"
+    print(f"\nstep time, random Llama {shape}, batch 4 x 2048, bf16, fused AdamW, "
           f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}; ratios against the mean "
           f"of the SFT runs\n")
     print("| variant | ms/step | tokens/s | vs bf16 SFT | peak memory (GiB) |")

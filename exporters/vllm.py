@@ -33,7 +33,7 @@ from qatfactory.formats import ConvertedModel
 
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
                    is_ggml_variant, module_of, register_exporter, safetensors_layout, save_sharded, spec_of,
-                   tied_duplicates, write_json)
+                   ties_embeddings, tied_duplicates, write_json, EMBED, LM_HEAD)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
 CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -47,9 +47,15 @@ SUPPORTED = {
 def excluded_linears(converted: ConvertedModel) -> List[str]:
     """Module names of the linears left in the model dtype (lm_head, routers, anything the
     QuantConfig excluded): 2-D ``.weight`` tensors that are not embeddings or norms. A tied
-    lm_head is not written at all (the engine reuses the embedding), so it is not listed."""
+    lm_head is not written (the engine reuses the embedding) but is still listed, as
+    llm-compressor and ModelOpt list it: a loader that builds the module tree from the config
+    (transformers' CompressedTensorsConfig before 5.24) otherwise takes ``lm_head`` for a
+    quantized ``Linear``, drops its ``weight`` and fails when it ties it to the embedding."""
     out = []
     skip = set(tied_duplicates(converted))
+    if ties_embeddings(converted) and LM_HEAD not in converted.packed and \
+            (EMBED in converted.dense or EMBED in converted.packed):
+        out.append(module_of(LM_HEAD))
     for name, t in converted.dense.items():
         if name in skip or not name.endswith(".weight") or t.ndim != 2:
             continue

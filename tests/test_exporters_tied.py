@@ -77,7 +77,9 @@ def test_tied_export_passes_gate(tmp_path, case):
     v = verify(out, cm, llama_cpp=False)
     assert v.ok, v.table()
     assert [c for c in v.checks if c.tensor == "logits" and c.status == "ok"]
-    assert [(c.check, c.status) for c in v.checks if c.tensor == "lm_head"] == [("tied embeddings", "ok")]
+    lm = [(c.check, c.status) for c in v.checks if c.tensor == "lm_head"]
+    assert lm[0] == ("tied embeddings", "ok")
+    assert lm[1:] == ([] if engine == "llama_cpp" else [("excluded (model dtype)", "ok")])
     assert res.record["tied_embeddings"] is True
     if engine == "llama_cpp":
         t = {x.name: x for x in gguf.GGUFReader(str(out / "model.gguf")).tensors}
@@ -93,11 +95,13 @@ def test_tied_export_passes_gate(tmp_path, case):
         assert cfg["tie_word_embeddings"] is True
         assert not [k for k in sd if k.startswith("lm_head")]
         assert torch.equal(sd["model.embed_tokens.weight"], cm.dense["model.embed_tokens.weight"])
+        # not written, but listed as unquantized (llm-compressor / ModelOpt do the same): config-driven
+        # loaders such as transformers 5.17's CompressedTensorsConfig otherwise quantize the module
         ignore = cfg["quantization_config"]["ignore"]
-        assert "lm_head" not in ignore and res.record["exclude_modules"] == ignore == []
+        assert res.record["exclude_modules"] == ignore == ["lm_head"]
         if flavour == "modelopt":
             hq = json.loads((out / "hf_quant_config.json").read_text())
-            assert hq["quantization"]["exclude_modules"] == []
+            assert hq["quantization"]["exclude_modules"] == ["lm_head"]
 
 
 def test_untied_control_writes_lm_head(tmp_path):
@@ -177,3 +181,21 @@ def test_tied_student_through_the_cli(tmp_path, capsys):
         text = capsys.readouterr().out
         assert "verdict: PASS" in text and "tied embeddings" in text
     assert "output.weight" not in {x.name for x in gguf.GGUFReader(str(tmp_path / "llama_cpp" / "model.gguf")).tensors}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_compressed_tensors_config_leaves_tied_lm_head_unquantized(tmp_path, fmt):
+    """compressed-tensors itself (the library transformers and llm-compressor use to build a
+    quantized module tree from config.json) must not take the tied lm_head for a quantized Linear:
+    transformers 5.17 did, dropped its weight and failed to tie it (seen on the H200 pipeline run)."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    import transformers as T
+    cm = tied_student("llama", fmt)
+    export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
+    cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+    qcfg = ct.QuantizationConfig.model_validate(cfg["quantization_config"])
+    skeleton = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(tmp_path / "e"))
+    ct.apply_quantization_config(skeleton, qcfg, show_progress=False)
+    quantized = {n for n, m in skeleton.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    assert "lm_head" not in quantized
+    assert quantized == {n[:-len(".weight")] for n in cm.packed}

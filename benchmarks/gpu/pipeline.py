@@ -780,6 +780,7 @@ def p2_overrides(a, fmt: str, prep: Dict[str, Any], run_dir: Path) -> List[str]:
             f"data.eval=[{d['eval']}]", f"data.seq_len={a.p2_seq}", f"data.eval_samples={a.p2_eval_samples}",
             f"train.eval_samples={min(a.p2_eval_samples, 2 * a.world)}", f"train.max_steps={a.p2_steps}",
             f"train.micro_batch={a.p2_micro}", f"train.grad_accum={a.p2_accum}", f"train.lr={a.p2_lr:g}",
+            f"train.grad_ckpt={'true' if a.p2_grad_ckpt else 'false'}",
             "train.schedule=constant", "train.warmup_steps=0", "train.eval_every=0", "train.save_every=0",
             "train.save_final=false", "train.save_student=true", f"train.optimizer={a.p2_optimizer}",
             "train.progress=false", "train.plots=false", "train.tensorboard=false", "train.seed=0",
@@ -921,7 +922,7 @@ def part2(a, rep: "Report", budget: Budget, mon: GpuMonitor, prep: Dict[str, Any
     P["data"] = prep["data"]
     P.update(seq_len=a.p2_seq, steps=a.p2_steps, micro_batch_per_rank=a.p2_micro, grad_accum=a.p2_accum,
              world=a.world, lr=a.p2_lr, tokens_per_step=a.p2_micro * a.p2_accum * a.world * a.p2_seq,
-             optimizer=a.p2_optimizer, train=a.p2_train, zero=a.p2_zero, formats={})
+             optimizer=a.p2_optimizer, train=a.p2_train, zero=a.p2_zero, grad_ckpt=bool(a.p2_grad_ckpt), formats={})
     ev = Part2Eval(a, prep)
     P["eval_tokens_target"] = len(ev.eval_s) * a.p2_seq
     jobs: List[ExportJob] = []
@@ -1284,8 +1285,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                                       "time allows; smoke: nvfp4_w4a16)")
     g.add_argument("--p2-steps", type=int, default=None, help="default 60 (smoke 2)")
     g.add_argument("--p2-seq", type=int, default=None, help="default 2048 (smoke 64)")
-    g.add_argument("--p2-micro", type=int, default=None, help="micro-batch per rank; default 2 (smoke 1)")
-    g.add_argument("--p2-accum", type=int, default=None, help="gradient accumulation; default 2 (smoke 1)")
+    g.add_argument("--p2-micro", type=int, default=None, help="micro-batch per rank; default 4 (smoke 1)")
+    g.add_argument("--p2-accum", type=int, default=None,
+                   help="gradient accumulation; default 1 (smoke 1): a 135M model is host-bound, so every extra "
+                        "micro-step costs a whole forward/backward of kernel launches")
+    g.add_argument("--p2-grad-ckpt", type=int, default=0, choices=(0, 1),
+                   help="activation checkpointing (gpu_1x turns it on; off by default here: the 135M model needs "
+                        "~10 GiB without it, and recomputing costs 1.6x per step on the H200)")
     g.add_argument("--p2-lr", type=float, default=5e-6, help="constant (method=qad's 5e-6)")
     g.add_argument("--p2-eval-samples", type=int, default=None, help="held-out samples; default 10 (smoke 2)")
     g.add_argument("--p2-calib", type=int, default=None, help="calibration samples; default 8 (smoke 2)")
@@ -1302,7 +1308,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     smoke = a.smoke
     dflt = dict(budget=(900.0, 340.0), p1_layers=(2, 16), p1_steps=(4, 12), p1_ckpt=(2, 6), p1_seq=(32, 2048),
                 p1_micro=(1, 2), p1_cap=(300.0, 180.0), p2_formats=("nvfp4_w4a16", "nvfp4_w4a16,mxfp4_w4a4"),
-                p2_steps=(2, 60), p2_seq=(64, 2048), p2_micro=(1, 2), p2_accum=(1, 2), p2_eval_samples=(2, 10),
+                p2_steps=(2, 60), p2_seq=(64, 2048), p2_micro=(1, 4), p2_accum=(1, 1), p2_eval_samples=(2, 10),
                 p2_calib=(2, 8), p2_cap=(300.0, 150.0), gsm8k=(2, 50), gsm8k_tokens=(4, 256))
     for k, (s, g_) in dflt.items():
         if getattr(a, k) is None:
