@@ -243,6 +243,43 @@ class HeldOut:
                 "top1": float(sums[3]) / tok}
 
 
+def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
+    """Measured seconds of one unquantized training step of ``model`` on ``micro_batch`` held-out
+    samples: forward, the chunked KL loss against the stored teacher outputs, backward and an AdamW
+    update with lr 0 (the weights stay bit-identical: AdamW with lr 0 multiplies by 1 and adds 0).
+    What the forward-only figure misses on a CPU: backward in bf16, the loss over the vocabulary,
+    the optimizer's pass over every parameter."""
+    import torch
+    from .distill.losses import LiveTeacherOut, LossConfig
+    from .train.engine import StudentLM
+    _, b = next(iter(held.batches()))
+    mb = min(micro_batch, int(b["input_ids"].shape[0]))
+    dv = held.device
+    params = [p for p in model.parameters()]
+    flags = [p.requires_grad for p in params]
+    was = model.training
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=0.0)
+    st = StudentLM(model, LossConfig())
+    model.train()
+    try:
+        t0 = time.time()
+        t = LiveTeacherOut(held.teacher_h[0][:mb], held.teacher_w)
+        loss = st(b["input_ids"][:mb].to(dv), b["attn"][:mb].to(dv), b["mask"][:mb].to(dv), t)
+        loss.backward()
+        opt.step()
+        if dv != "cpu":
+            torch.cuda.synchronize()
+        return time.time() - t0
+    finally:
+        opt.zero_grad(set_to_none=True)
+        del opt
+        for p, f in zip(params, flags):
+            p.requires_grad_(f)
+        model.train(was)
+
+
 # ----------------------------------------------------------------------------- bits
 def bits_per_param(cov) -> Dict[str, Any]:
     """Storage bits from quantize.coverage: per quantized weight and over the whole model (tied
@@ -303,25 +340,32 @@ def _overrides(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], ru
 
 def fake_quant_seconds(model, preset: str) -> float:
     """Measured seconds to fake-quantize every targeted weight once (what each forward pays on
-    CPU): the first layer's linears in the formats the preset gives them, times the layer count."""
+    CPU): one linear of each (format, shape) pair the preset resolves to, times how many there are
+    (a policy such as Q4_K_M gives different layers different types). ggml types are timed with an
+    importance matrix, as calibration gives them one and their imatrix search costs ~2.5x the plain
+    one (Q4_K_M on SmolLM2: 14.4 s vs 5.6 s per forward)."""
     import torch
     from . import quantize as Q
+    from .formats import get_format
+    from .nn.fake_quant import takes_imatrix
     qcfg = Q.QuantConfig.preset(preset)
-    layers = int(getattr(model.config, "num_hidden_layers", 1) or 1)
-    t = 0.0
+    groups: Dict[Tuple[str, Tuple[int, ...]], List[torch.nn.Linear]] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or ".layers.0." not in f".{name}.":
+        if not isinstance(mod, torch.nn.Linear):
             continue
         wf = Q._resolve_format(qcfg, qcfg.resolve(name)[0], f"{name}.weight", tuple(mod.weight.shape), model.config)
-        if wf is None:
-            continue
-        from .formats import get_format
+        if wf is not None:
+            groups.setdefault((wf, tuple(mod.weight.shape)), []).append(mod)
+    t = 0.0
+    for (wf, shape), mods in groups.items():
         f = get_format(wf)
-        f.fake_quantize(mod.weight.detach()[:8])        # first-call setup is not a per-forward cost
+        w = mods[0].weight.detach()
+        kw = {"imatrix": torch.linspace(0.5, 2.0, shape[1])} if takes_imatrix(f) else {}
+        f.fake_quantize(w[:8], **kw)                   # first-call setup is not a per-forward cost
         t0 = time.time()
-        f.fake_quantize(mod.weight.detach())
-        t += time.time() - t0
-    return t * layers
+        f.fake_quantize(w, **kw)
+        t += (time.time() - t0) * len(mods)
+    return t
 
 
 def previous_run_seconds(runs: Path, s: Settings, skip: Path):
@@ -341,22 +385,24 @@ def previous_run_seconds(runs: Path, s: Settings, skip: Path):
     return best
 
 
-def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float], n_eval_batches: int) -> float:
-    """Seconds for the whole run from measured costs: the teacher's forward of one evaluation
-    batch (scaled to a training micro-batch; forward+backward ~3x a forward) and each target's
-    weight fake-quant, paid once per forward."""
+def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float], n_eval_batches: int,
+              step_s: float) -> Dict[str, float]:
+    """Seconds per target from measured costs: one real unquantized training step (``step_s``:
+    forward, loss, backward, optimizer), the teacher's forward of one evaluation batch (scaled to a
+    training micro-batch for the live teacher) and each target's weight fake-quant, paid once per
+    forward."""
     f = fwd_s * s.micro_batch / eval_batch
-    total = 0.0
+    out: Dict[str, float] = {}
     for i, key in enumerate(s.targets):
         live = TARGETS[key].teacher == "live"
         fq = fq_s[key]
-        step = 3.0 * f + fq + (f if live else 0.0)
+        step = step_s + fq + (f if live else 0.0)
         evals = 2 * n_eval_batches * (fwd_s + fq) + 2 * (f + fq + (f if live else 0.0))
         first_cached = not live and not any(TARGETS[k].teacher == "cached" for k in s.targets[:i])
         cache = (s.steps + 1) * f if first_cached else 0.0
         exports = 4.0 * fwd_s * len(TARGETS[key].exports)    # convert + write + reload + logits
-        total += s.steps * step + evals + cache + exports + 2 * fq
-    return total
+        out[key] = s.steps * step + evals + cache + exports + 2 * fq
+    return out
 
 
 def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: bool = True,
@@ -407,11 +453,14 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     fwd = held.fill_teacher(teacher, torch.bfloat16)
     n_eval_batches = math.ceil(len(eval_s) / held.mb)
     fq = {k: fake_quant_seconds(teacher, TARGETS[k].preset) for k in s.targets}
-    est = _estimate(s, fwd, held.mb, fq, n_eval_batches) + (time.time() - t_start)
-    _say(f"measured here: teacher forward of {held.mb}x{s.seq_len} tokens {fwd:.2f} s; weight fake-quant "
-         f"per forward " + ", ".join(f"{k} {v:.1f} s" for k, v in fq.items()) + " -> expected total for "
-         f"{len(s.targets)} targets x {s.steps} QAD steps: at least ~{_fmt_s(est)} (forward/backward "
-         f"costs only)")
+    step_s = train_step_seconds(teacher, held, s.micro_batch)
+    per_target = _estimate(s, fwd, held.mb, fq, n_eval_batches, step_s)
+    est = sum(per_target.values()) + (time.time() - t_start)
+    _say(f"measured here: teacher forward of {held.mb}x{s.seq_len} tokens {fwd:.2f} s; one bf16 training step "
+         f"of {s.micro_batch}x{s.seq_len} tokens {step_s:.1f} s; weight fake-quant per forward "
+         + ", ".join(f"{k} {v:.1f} s" for k, v in fq.items()))
+    _say(f"expected: ~{_fmt_s(est)} for {len(s.targets)} targets x {s.steps} QAD steps ("
+         + ", ".join(f"{k} ~{_fmt_s(v)}" for k, v in per_target.items()) + ")")
     prev = previous_run_seconds(out.parent, s, out)
     if prev is not None:
         _say(f"expected: ~{_fmt_s(prev[0])}, as the last finished run with these settings here ({prev[1]})")

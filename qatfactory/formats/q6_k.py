@@ -146,21 +146,31 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
         w = x * x
     wx = w * x
 
-    def levels(iscale):
-        return nearest_int(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1)
+    # Levels are kept as float32 integers: |iscale * x| <= |c| (|x| <= |mx|, |c| < nmax + 1) up to
+    # one rounding, far inside the range where ggml's nearest_int bit trick equals round-half-even,
+    # so torch.round gives the same integers without the int32 round trip.
+    lv = torch.empty_like(x)
+    p = torch.empty((n, 2, g), dtype=torch.float32, device=x.device)   # p[i] contiguous
+    wl = torch.empty_like(x)
 
-    def sums(l):
+    def levels(iscale, out=None):
+        out = lv if out is None else out
+        torch.mul(iscale.unsqueeze(0), x, out=out)
+        return torch.round(out, out=out).clamp_(-nmax, nmax - 1)
+
+    def sums(lf):
         # the reference's two running float32 sums, from +0 in element order; the products are
         # formed for all elements at once (the same roundings), one add per element for both sums
-        lf = l.float()
-        p = torch.stack([wx * lf, (w * lf) * lf], dim=1)          # [n, 2, G]: p[i] contiguous
+        torch.mul(wx, lf, out=p[:, 0])
+        torch.mul(w, lf, out=wl)
+        torch.mul(wl, lf, out=p[:, 1])
         acc = torch.zeros((2,) + tuple(amax.shape), dtype=torch.float32, device=x.device)
         for i in range(n):
             acc.add_(p[i])
         return acc[0], acc[1]
 
     iscale = tdiv(float(-nmax), mxs)
-    L = levels(iscale)
+    L = levels(iscale, torch.empty_like(x))
     sumlx, suml2 = sums(L)
     nz = suml2 != 0
     scale = torch.where(nz, tdiv(sumlx, torch.where(nz, suml2, one)), torch.zeros_like(sumlx))
@@ -173,10 +183,10 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
         l = levels(iscale)
         slx, sl2 = sums(l)
         acc = (sl2 > 0) & (slx * slx > best * sl2)
-        L = torch.where(acc.unsqueeze(0), l, L)
+        torch.where(acc.unsqueeze(0), l, L, out=L)
         scale = torch.where(acc, tdiv(slx, torch.where(sl2 != 0, sl2, one)), scale)
         best = torch.where(acc, scale * slx, best)
-    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L + nmax)
+    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L + nmax).to(torch.int32)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
 
