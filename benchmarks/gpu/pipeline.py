@@ -1212,30 +1212,39 @@ def plot(d: Dict[str, Any], out: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     P = d["part1"]
-    for k, style in (("run1", "-"), ("run2", "--")):
-        ls = (P.get(k) or {}).get("losses") or {}
-        if ls:
+    runs1 = {k: (P.get(k) or {}).get("losses") or {} for k in ("run1", "run2")}
+    fmts = {f: F for f, F in (d["part2"].get("formats") or {}).items() if (F.get("train") or {}).get("losses")}
+    panels = (["part1"] if any(runs1.values()) else []) + (["part2"] if fmts else [])
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 0.5, 3.8), squeeze=False)
+    ax = dict(zip(panels, axes[0]))
+    if "part1" in ax:
+        a = ax["part1"]
+        for k, style in (("run1", "-"), ("run2", "--")):
+            ls = runs1[k]
+            if ls:
+                xs = sorted(int(s) for s in ls)
+                a.plot(xs, [ls[str(s)] for s in xs], style, marker="o", ms=3,
+                       label={"run1": "uninterrupted", "run2": "resumed"}[k])
+        a.set_title("part 1: QAD loss, uninterrupted vs resumed", fontsize=9)
+        a.set_xlabel("step")
+        a.legend(fontsize=8)
+    if "part2" in ax:
+        a = ax["part2"]
+        for fmt, F in fmts.items():
+            ls = F["train"]["losses"]
             xs = sorted(int(s) for s in ls)
-            axes[0].plot(xs, [ls[str(s)] for s in xs], style, marker="o", ms=3,
-                         label={"run1": "uninterrupted", "run2": "resumed"}[k])
-    axes[0].set_title("part 1: QAD loss, uninterrupted vs resumed", fontsize=9)
-    axes[0].set_xlabel("step")
-    if axes[0].lines:
-        axes[0].legend(fontsize=8)
-    for fmt, F in (d["part2"].get("formats") or {}).items():
-        ls = (F.get("train") or {}).get("losses") or {}
-        if ls:
-            xs = sorted(int(s) for s in ls)
-            axes[1].plot(xs, [ls[str(s)] for s in xs], label=f"{fmt} QAD loss")
-        if F.get("ptq"):
-            axes[1].axhline(F["ptq"]["kl"], ls=":", lw=1, color=axes[1].lines[-1].get_color() if axes[1].lines else "gray",
-                            label=f"{fmt} PTQ held-out KL")
-    axes[1].set_title("part 2: SmolLM2 QAD training loss (KL to teacher)", fontsize=9)
-    axes[1].set_xlabel("step")
-    if axes[1].lines:
-        axes[1].legend(fontsize=8)
+            line, = a.plot(xs, [ls[str(s)] for s in xs], lw=1, label=f"{fmt}: QAD training KL")
+            c = line.get_color()
+            if F.get("ptq"):
+                a.axhline(F["ptq"]["kl"], ls=":", lw=1, color=c, label=f"{fmt}: PTQ held-out KL")
+            if F.get("qad"):
+                a.plot([xs[-1]], [F["qad"]["kl"]], "o", color=c, ms=6, label=f"{fmt}: QAD held-out KL")
+        a.set_title("part 2: SmolLM2-135M QAD, KL to the teacher (nats/token)", fontsize=9)
+        a.set_xlabel("step")
+        a.legend(fontsize=7)
     fig.tight_layout()
     p = out / "pipeline_curves.png"
     fig.savefig(p, dpi=100)
