@@ -264,14 +264,18 @@ def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
     st = StudentLM(model, LossConfig())
     model.train()
     try:
-        t0 = time.time()
-        t = LiveTeacherOut(held.teacher_h[0][:mb], held.teacher_w)
-        loss = st(b["input_ids"][:mb].to(dv), b["attn"][:mb].to(dv), b["mask"][:mb].to(dv), t)
-        loss.backward()
-        opt.step()
-        if dv != "cpu":
-            torch.cuda.synchronize()
-        return time.time() - t0
+        best = float("inf")
+        for _ in range(2):          # the faster of two: the first backward pays one-time setup
+            t0 = time.time()
+            t = LiveTeacherOut(held.teacher_h[0][:mb], held.teacher_w)
+            loss = st(b["input_ids"][:mb].to(dv), b["attn"][:mb].to(dv), b["mask"][:mb].to(dv), t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if dv != "cpu":
+                torch.cuda.synchronize()
+            best = min(best, time.time() - t0)
+        return best
     finally:
         opt.zero_grad(set_to_none=True)
         del opt
@@ -361,10 +365,12 @@ def fake_quant_seconds(model, preset: str) -> float:
         f = get_format(wf)
         w = mods[0].weight.detach()
         kw = {"imatrix": torch.linspace(0.5, 2.0, shape[1])} if takes_imatrix(f) else {}
-        f.fake_quantize(w[:8], **kw)                   # first-call setup is not a per-forward cost
-        t0 = time.time()
-        f.fake_quantize(w, **kw)
-        t += (time.time() - t0) * len(mods)
+        best = float("inf")
+        for _ in range(2):          # the faster of two: the first call pays one-time setup
+            t0 = time.time()
+            f.fake_quantize(w, **kw)
+            best = min(best, time.time() - t0)
+        t += best * len(mods)
     return t
 
 

@@ -140,3 +140,30 @@ def test_expected_time_comes_from_the_newest_finished_run_with_the_same_settings
     assert previous_run_seconds(tmp_path, s, tmp_path / "x") == (200.0, str(tmp_path / "demo-20260102-000000"))
     assert previous_run_seconds(tmp_path, s, tmp_path / "demo-20260102-000000")[0] == 100.0
     assert previous_run_seconds(tmp_path, Settings(steps=99), tmp_path / "x") is None
+
+
+def test_time_measurements_leave_the_teacher_untouched(tiny_model_dir):
+    """The estimate's training step (forward, loss, backward, AdamW at lr 0) must not change a bit of
+    the teacher it runs on, nor its requires_grad / train flags / grads; the fake-quant timing runs
+    for the Q4_K_M policy (imatrix path) and an FP4 preset."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    m.eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.config.vocab_size, (4, 32), generator=g)
+    held = demo.HeldOut.__new__(demo.HeldOut)      # one batch of teacher outputs, as fill_teacher leaves it
+    held.samples, held.mb, held.device = None, 4, "cpu"
+    b = {"input_ids": ids, "attn": torch.ones_like(ids), "mask": torch.ones_like(ids, dtype=torch.bool)}
+    held.batches = lambda: iter([(0, b)])
+    with torch.no_grad():
+        h = m.model(input_ids=ids).last_hidden_state
+    held.teacher_h, held.teacher_w = [h], m.lm_head.weight.detach().clone()
+    t = demo.train_step_seconds(m, held, 2)
+    assert t > 0
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    assert not any(p.requires_grad for p in m.parameters()) and not m.training
+    assert all(p.grad is None for p in m.parameters())
+    assert demo.fake_quant_seconds(m, "q4_k") > 0 and demo.fake_quant_seconds(m, "nvfp4_w4a16") > 0
