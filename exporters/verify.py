@@ -253,9 +253,8 @@ def _verify_safetensors(res, d: Path, student, rec, prompt, do_logits, rtol):
             res.add("config.json", "config", "skip", "compressed-tensors is not installed")
         except Exception as e:  # a config compressed-tensors refuses is a failed export
             res.add("config.json", "config", "FAIL", f"compressed-tensors rejects it: {e}")
-    _tie_check(res, student, any(k.startswith("lm_head.") for k in sd), "lm_head.*",
-               bool(cfg.get("tie_word_embeddings")))
     tied = bool(cfg.get("tie_word_embeddings"))
+    _tie_check(res, student, any(k.startswith("lm_head.") for k in sd), "lm_head.*", tied)
     for m in sorted(excluded):
         t = sd.get(m + ".weight")
         if tied and m + ".weight" == LM_HEAD:
@@ -386,7 +385,7 @@ def _verify_safetensors(res, d: Path, student, rec, prompt, do_logits, rtol):
         # widening them to fp32 is lossless and makes the arithmetic the student's
         model = model.float()
         src = "transformers CompressedTensorsConfig(dequantize=True)"
-        # transformers < 5.24 keeps compressed-tensors' runtime scheme on the decompressed linears, so
+        # transformers 5.17 (not 5.24) keeps compressed-tensors' runtime scheme on the decompressed linears, so
         # a W4A4 checkpoint's forward also fake-quantizes inputs with CT's own rule; this check is about
         # the weights (the reference is the weights-only student), so switch that QDQ off
         kept = [mod for mod in model.modules() if getattr(mod, "quantization_scheme", None) is not None]

@@ -49,7 +49,7 @@ def excluded_linears(converted: ConvertedModel) -> List[str]:
     QuantConfig excluded): 2-D ``.weight`` tensors that are not embeddings or norms. A tied
     lm_head is not written (the engine reuses the embedding) but is still listed, as
     llm-compressor and ModelOpt list it: a loader that builds the module tree from the config
-    (transformers' CompressedTensorsConfig before 5.24) otherwise takes ``lm_head`` for a
+    (transformers 5.17's CompressedTensorsConfig; 5.24 copes) otherwise takes ``lm_head`` for a
     quantized ``Linear``, drops its ``weight`` and fails when it ties it to the embedding."""
     out = []
     skip = set(tied_duplicates(converted))
