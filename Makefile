@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test demo test-gpu bench-cpu clean
+.PHONY: install llama-cpp test demo test-gpu bench-cpu clean
 
 install: $(STAMP)
 
@@ -16,7 +16,13 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[test]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
-test: install
+# llama.cpp's own runtime and tools (llama-quantize, llama-perplexity, ...), built once from the
+# llama-cpp-python sdist on PyPI and cached per CPU under ~/.cache/qatfactory/llama.cpp (3-6 min the
+# first time); the gate's llama.cpp checks run on it in `make test`
+llama-cpp: install
+	$(BIN)/python scripts/llama_cpp_runtime.py ensure
+
+test: install llama-cpp
 	$(BIN)/python -m pytest -q -m "not cuda and not multi_gpu and not llama_cpp" tests $(PYTEST_ARGS)
 
 demo: install

@@ -31,6 +31,7 @@ setup(
             "compressed-tensors>=0.20",
             "deepspeed==0.19.8",
             "peft",
+            "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
         ],
         "cuda": ["cupy-cuda13x"],
     },
