@@ -1,0 +1,615 @@
+"""vLLM itself loads and serves our safetensors exports (engines.sh runs this; issue 16).
+
+Three phases, each in its own process and Python path, because vLLM pins other versions of shared
+packages (compressed-tensors 0.17.0 against our 0.20.1):
+
+``students`` (our stack)  SmolLM2-135M-Instruct from its packaged GGUF (benchmarks/gpu/stage.sh carries it)
+                          -> per format a PTQ student (prepare + calibrate) and a QAD student (the trainer,
+                          ``python -m qatfactory.train``) -> the exports of every cell; a tiny random
+                          Qwen3-MoE student for the MoE path. Held-out token ids and greedy prompts are
+                          written once, so every model sees the same tokens.
+``vllm`` (vLLM's stack)   one subprocess per export and one for the bf16 model: ``vllm.LLM(model=dir)``
+                          offline; prompt log-probabilities (top-K) on the held-out tokens, greedy
+                          continuations, decode throughput at batch 1 and 64, and which kernel vLLM
+                          picked for each quantized linear.
+``report`` (our stack)    each student's own fake-quant forward on the same tokens (bf16, on the GPU):
+                          KL(student || vLLM) against KL(student || the same format's PTQ student) on
+                          the same top-K partition (vLLM's top-K plus one bucket for the rest of the
+                          vocabulary, a coarse-graining applied to both, so the two are comparable;
+                          the student's mass outside the set is reported), the largest log-probability
+                          difference on the set, top-1 and greedy agreement, tokens/s vs bf16.
+
+    python benchmarks/gpu/engines.py students --work W [--steps 60]   # PYTHONPATH=/tmp/site:repo
+    python benchmarks/gpu/engines.py vllm --work W                     # PYTHONPATH=/tmp/vsite
+    python benchmarks/gpu/engines.py report --work W --out OUT         # PYTHONPATH=/tmp/site:repo
+    python benchmarks/gpu/engines.py smoke --work W                    # CPU: tiny model, students + report
+                                                                       # on a stand-in for vLLM's output
+
+Outputs: ``OUT/engines.json`` (every number), ``OUT/engines.md`` (the table), ``W/<cell>/vllm.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+TOPK = 128          # prompt log-probabilities per position (vLLM's max_logprobs is raised to this)
+GEN_TOKENS = 64
+THROUGHPUT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    fmt: str                 # recipes/format/<fmt>.yaml
+    flavour: str             # modelopt | compressed-tensors
+    model: str = "smollm2"   # smollm2 | tiny_qwen3_moe
+
+
+CELLS = [
+    Cell("nvfp4-w4a16-modelopt", "nvfp4_w4a16", "modelopt"),
+    Cell("nvfp4-w4a4-modelopt", "nvfp4_w4a4", "modelopt"),
+    Cell("nvfp4-w4a16-ct", "nvfp4_w4a16", "compressed-tensors"),
+    Cell("mxfp4-w4a16-ct", "mxfp4_w4a16", "compressed-tensors"),
+    Cell("mxfp4-w4a4-ct", "mxfp4_w4a4", "compressed-tensors"),
+    Cell("moe-nvfp4-w4a16-ct", "nvfp4_w4a16", "compressed-tensors", "tiny_qwen3_moe"),
+]
+
+
+def say(msg: str) -> None:
+    print(f"[engines {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_json(p: Path, obj: Any) -> None:
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, p)
+
+
+# ============================================================================ phase 1: students
+def _ns(**kw):
+    return argparse.Namespace(**kw)
+
+
+def prepare_model_and_data(a) -> Dict[str, Any]:
+    """SmolLM2 HF dir (from the carried GGUF parts, sha256-checked) and the Wikipedia files."""
+    sys.path.insert(0, str(HERE))
+    import pipeline
+    from transformers import AutoTokenizer
+    work = Path(a.work)
+    cache = work / "cache"
+    if a.smoke:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_llm import train_bpe
+        d = work / "tiny-model"
+        if not (d / "config.json").exists():
+            from qatfactory import assets
+            tok = train_bpe(d, assets.wiki_texts()[:200], 320)
+            from tiny_llm import tiny_llama
+            tiny_llama(tok, 128, 512).save_pretrained(d)
+        model_dir = d
+    else:
+        pipeline.setup_assets(_ns(asset_dirs=[REPO / ".gpu", pipeline.STASH_DIR], smoke=False, work=work), cache)
+        os.environ["QATFACTORY_CACHE"] = str(cache)
+        from qatfactory import assets
+        model_dir = assets.prepare_model_dir("smollm2")
+    os.environ["QATFACTORY_CACHE"] = str(cache)
+    from qatfactory import demo
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    s = demo.Settings(steps=a.steps, seq_len=a.seq, micro_batch=a.micro, eval_samples=a.eval_seqs,
+                      calib_samples=a.calib, seed=0)
+    data = demo.prepare_data(tok, s, cache)
+    return {"model_dir": str(model_dir), "data": data}
+
+
+def heldout_ids(prep: Dict[str, Any], a) -> Dict[str, Any]:
+    """The held-out token ids (packed as the trainer packs them) and the greedy prompts."""
+    from transformers import AutoTokenizer
+    from qatfactory.train.data import DataConfig, load_data
+    tok = AutoTokenizer.from_pretrained(prep["model_dir"])
+    d = prep["data"]
+    cfg = DataConfig(train=[d["train"]], eval=[d["eval"]], eval_samples=a.eval_seqs, seq_len=a.seq)
+    vocab = len(tok)
+    _, ev = load_data(cfg, tok, vocab, 0)
+    ids = ev.input_ids[: a.eval_seqs].tolist()
+    prompts = [row[: a.prompt_len] for row in ev.input_ids[: a.prompts].tolist()]
+    return {"heldout": ids, "prompts": prompts, "seq_len": a.seq}
+
+
+def _train_overrides(a, prep, fmt: str, run_dir: Path) -> List[str]:
+    d = prep["data"]
+    dev = "cpu" if a.smoke else "cuda"
+    return ["model=local", f"model.path={prep['model_dir']}", "model.dtype=bfloat16", f"format={fmt}",
+            "method=qad", "train=gpu_1x" if not a.smoke else "train=default", "data=files",
+            f"data.train=[{d['train']}]", f"data.eval=[{d['eval']}]", f"data.seq_len={a.seq}",
+            f"data.eval_samples={a.eval_seqs}", "train.eval_samples=1", f"train.max_steps={a.steps}",
+            f"train.micro_batch={a.micro}", "train.grad_accum=1", f"train.lr={a.lr:g}", "train.schedule=constant",
+            "train.warmup_steps=0", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
+            "train.save_student=true", "train.progress=false", "train.plots=false", "train.tensorboard=false",
+            "train.grad_ckpt=false", "train.optimizer=adamw_torch", f"train.device={dev}", "train.precision=" + ("fp32" if a.smoke else "bf16"),
+            f"method.calib_samples={a.calib}", f"run_dir={run_dir}", "export=none"]
+
+
+def ptq_student(prep, fmt: str, out: Path, a) -> None:
+    """The PTQ baseline of a format, calibrated as the trainer calibrates, saved as a student dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from qatfactory import quantize as Q
+    from qatfactory.train.config import compose
+    from qatfactory.train.data import DataConfig, load_data
+    dev = "cpu" if a.smoke else "cuda"
+    qcfg = compose([f"format={fmt}"]).quant
+    m = AutoModelForCausalLM.from_pretrained(prep["model_dir"], dtype=torch.bfloat16).to(dev)
+    Q.prepare(m, qcfg)
+    tok = AutoTokenizer.from_pretrained(prep["model_dir"])
+    d = prep["data"]
+    tr, _ = load_data(DataConfig(train=[d["train"]], eval=[d["eval"]], eval_samples=a.eval_seqs, seq_len=a.seq),
+                      tok, len(tok), 0)
+    Q.calibrate(m, [{"input_ids": tr.select([i])["input_ids"].to(dev), "attention_mask": tr.select([i])["attn"].to(dev)}
+                    for i in range(min(a.calib, len(tr)))], qcfg.calib_method)
+    Q.save_student(m.cpu(), str(out))
+
+
+def tiny_moe_student(prep, out: Path, a) -> None:
+    """A random Qwen3-MoE (4 experts, top-2) with SmolLM2's tokenizer, NVFP4 W4A16: the MoE loading
+    path (per-expert tensors, routers left in bf16); no training, decisive random weights."""
+    import torch
+    import transformers as T
+    from qatfactory import quantize as Q
+    tok = T.AutoTokenizer.from_pretrained(prep["model_dir"])
+    torch.manual_seed(0)
+    cfg = T.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           num_experts=4, num_experts_per_tok=2, max_position_embeddings=2048,
+                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    m = T.Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+            if n.endswith("mlp.gate.weight"):
+                p.mul_(6)
+    Q.prepare(m, Q.QuantConfig.preset("nvfp4_w4a16"))
+    Q.save_student(m, str(out))
+    tok.save_pretrained(str(out))
+
+
+def export_cell(student_dir: Path, cell: Cell, out: Path, source_dir: Optional[str]) -> Dict[str, Any]:
+    from qatfactory.cli_export import load_converted
+    from qatfactory.exporters import export
+    cm = load_converted(str(student_dir), source_dir)
+    t = time.time()
+    r = export(cm, str(out), engine="vllm", flavour=cell.flavour)
+    return {"export_dir": str(r.path), "export_s": time.time() - t,
+            "bytes": sum(f.stat().st_size for f in Path(r.path).rglob("*") if f.is_file())}
+
+
+def phase_students(a) -> Dict[str, Any]:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    prep = prepare_model_and_data(a)
+    say(f"model {prep['model_dir']}, data {prep['data']['articles']}")
+    ids = heldout_ids(prep, a)
+    write_json(work / "tokens.json", ids)
+    state: Dict[str, Any] = {"prep": prep, "cells": {}, "formats": {}, "args": vars(a)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    for fmt in sorted({c.fmt for c in CELLS if c.model == "smollm2" and c.name in a.cells}):
+        f: Dict[str, Any] = {}
+        ptq_dir = work / f"ptq-{fmt}"
+        if not (ptq_dir / "qatfactory_quant.json").exists():
+            t = time.time()
+            ptq_student(prep, fmt, ptq_dir, a)
+            f["ptq_s"] = time.time() - t
+        run_dir = work / f"qad-{fmt}"
+        if not (run_dir / "student" / "qatfactory_quant.json").exists():
+            t = time.time()
+            cmd = [sys.executable, "-m", "qatfactory.train"] + _train_overrides(a, prep, fmt, run_dir)
+            say(f"QAD {fmt}: {a.steps} steps")
+            r = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True)
+            (work / f"qad-{fmt}.log").write_text(r.stdout[-20000:] + "\n" + r.stderr[-20000:])
+            if r.returncode != 0:
+                raise RuntimeError(f"QAD {fmt} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-3:]}")
+            f["qad_s"] = time.time() - t
+        summ = json.loads((run_dir / "summary.json").read_text())
+        f["train"] = {k: summ.get(k) for k in ("steps", "tokens", "time_s", "eval_first", "eval_last")}
+        state["formats"][fmt] = f
+    moe_dir = work / "student-tiny_qwen3_moe"
+    for cell in CELLS:
+        if cell.name not in a.cells:
+            continue
+        if cell.model == "tiny_qwen3_moe":
+            if not (moe_dir / "qatfactory_quant.json").exists():
+                tiny_moe_student(prep, moe_dir, a)
+            sdir, src = moe_dir, str(moe_dir)
+        else:
+            sdir, src = work / f"qad-{cell.fmt}" / "student", prep["model_dir"]
+        edir = work / cell.name / "export"
+        if edir.exists():
+            import shutil
+            shutil.rmtree(edir)
+        (work / cell.name).mkdir(exist_ok=True)
+        rec = export_cell(sdir, cell, edir, src)
+        rec.update(asdict(cell), student_dir=str(sdir),
+                   ptq_dir=str(work / f"ptq-{cell.fmt}") if cell.model == "smollm2" else None)
+        state["cells"][cell.name] = rec
+        say(f"exported {cell.name}: {rec['bytes'] / 2**20:.1f} MiB")
+    state["seconds"] = time.time() - t0
+    write_json(work / "students.json", state)
+    return state
+
+
+# ============================================================================ phase 2: vLLM
+def _describe_kernels(model) -> List[str]:
+    """Which quantization method, scheme and kernel/backend vLLM chose, per distinct combination."""
+    import enum
+
+    def name(v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, enum.Enum):
+            return v.name
+        return v.__name__ if isinstance(v, type) else type(v).__name__
+
+    out = set()
+    for _, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None or type(qm).__name__.startswith("Unquantized"):
+            continue
+        parts = [type(qm).__name__]
+        for obj in (qm, getattr(mod, "scheme", None)):
+            if obj is None:
+                continue
+            if obj is not qm:
+                parts.append(type(obj).__name__)
+            for attr in ("kernel", "moe_kernel", "backend", "nvfp4_backend", "mxfp4_backend", "experts_cls"):
+                v = getattr(obj, attr, None)
+                if v is not None:
+                    parts.append(f"{attr}={name(v)}")
+        out.add(" / ".join(parts))
+    return sorted(out)
+
+
+def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None:
+    """Runs inside vLLM's Python path, one model per process."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the model lives in this process
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    import vllm
+    toks = json.loads(Path(tokens_json).read_text())
+    res: Dict[str, Any] = {"model_dir": model_dir, "vllm": vllm.__version__, "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+    t = time.time()
+    llm, err = None, []
+    for mode in ("cudagraphs", "eager"):
+        kw = dict(model=model_dir, dtype="bfloat16", max_model_len=max(1024, toks["seq_len"] + 16), seed=0,
+                  gpu_memory_utilization=0.30, max_logprobs=topk, enable_prefix_caching=False,
+                  max_num_seqs=64, tokenizer=model_dir)
+        if mode == "cudagraphs":
+            kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+        else:
+            kw["enforce_eager"] = True
+        try:
+            llm = LLM(**kw)
+            res["mode"] = mode
+            break
+        except Exception as e:   # recorded; the next mode is tried
+            err.append(f"{mode}: {type(e).__name__}: {str(e)[:400]}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    res["init_errors"] = err
+    if llm is None:
+        res["loaded"] = False
+        write_json(Path(out_json), res)
+        return
+    res["loaded"], res["init_s"] = True, time.time() - t
+    try:
+        res["kernels"] = sorted(set(sum(llm.apply_model(_describe_kernels), [])))
+    except Exception as e:
+        res["kernels"] = [f"(not read: {type(e).__name__}: {e})"]
+    # prompt log-probabilities: position t holds token t's distribution given tokens < t
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk)
+    t = time.time()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in toks["heldout"]], sp, use_tqdm=False)
+    lp_rows, ix_rows = [], []
+    for o in outs:
+        lps, ixs = [], []
+        for pos in o.prompt_logprobs[1:]:
+            items = sorted(pos.items(), key=lambda kv: kv[1].rank)[:topk]
+            ixs.append([k for k, _ in items])
+            lps.append([v.logprob for _, v in items])
+        lp_rows.append(lps)
+        ix_rows.append(ixs)
+    res["prompt_logprobs_s"] = time.time() - t
+    import numpy as np
+    np.savez_compressed(Path(out_json).with_suffix(".npz"), lp=np.array(lp_rows, dtype=np.float32),
+                        ix=np.array(ix_rows, dtype=np.int32))
+    g = llm.generate([TokensPrompt(prompt_token_ids=p) for p in toks["prompts"]],
+                     SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    res["greedy"] = [list(o.outputs[0].token_ids) for o in g]
+    tp = {}
+    for batch in (1, 64):
+        prompts = [TokensPrompt(prompt_token_ids=toks["prompts"][i % len(toks["prompts"])]) for i in range(batch)]
+        spt = SamplingParams(max_tokens=THROUGHPUT_TOKENS, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.time()
+            llm.generate(prompts, spt, use_tqdm=False)
+            torch.cuda.synchronize()
+            best = min(best, time.time() - t)
+        tp[str(batch)] = {"tokens_per_s": batch * THROUGHPUT_TOKENS / best, "seconds": best}
+    res["throughput"] = tp
+    write_json(Path(out_json), res)
+
+
+def phase_vllm(a) -> None:
+    work = Path(a.work)
+    st = json.loads((work / "students.json").read_text())
+    jobs = [("bf16", st["prep"]["model_dir"])] + [(n, c["export_dir"]) for n, c in st["cells"].items()]
+    for name, d in jobs:
+        out = work / name / "vllm.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        t = time.time()
+        say(f"vLLM {name}: {d}")
+        r = subprocess.run([sys.executable, __file__, "vllm-one", "--model", d, "--tokens", str(work / "tokens.json"),
+                            "--out", str(out), "--topk", str(a.topk)], capture_output=True, text=True,
+                           timeout=a.per_model_timeout)
+        (work / name / "vllm.log").write_text(r.stdout[-30000:] + "\n----- stderr\n" + r.stderr[-60000:])
+        if not out.exists():
+            write_json(out, {"loaded": False, "error": (r.stderr.strip().splitlines() or ["?"])[-5:],
+                             "exit": r.returncode})
+        v = json.loads(out.read_text())
+        say(f"  {name}: loaded={v.get('loaded')} mode={v.get('mode')} {time.time() - t:.0f} s "
+            f"{v.get('kernels', '')} {v.get('throughput', '')}")
+
+
+# ============================================================================ phase 3: report
+def _student_model(sdir: str, dev: str, weights_only_acts: bool = False):
+    import torch
+    from qatfactory import quantize as Q
+    from qatfactory.nn import QuantLinear
+    m = Q.load_student(sdir, dtype=torch.bfloat16).to(dev).eval()
+    if weights_only_acts:
+        for mod in m.modules():
+            if isinstance(mod, QuantLinear):
+                mod.input_quant = None
+    return m
+
+
+def _logprobs(m, ids, dev):
+    import torch
+    with torch.no_grad():
+        out = []
+        for row in ids:
+            x = torch.tensor([row], device=dev)
+            out.append(torch.log_softmax(m(input_ids=x).logits[0, :-1].float(), -1).cpu())
+        return torch.stack(out)     # [N, L-1, V]
+
+
+def _greedy(m, prompts, dev, n):
+    import torch
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p], device=dev)
+            y = m.generate(x, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
+            outs.append(y[0, len(p):].tolist())
+    return outs
+
+
+def coarse_kl(p_log, q_ix, q_lp):
+    """KL(p || q) over the partition {each token of q's top-K set, everything else}: the same
+    coarse-graining for every q compared, a lower bound of the full-vocabulary KL (data processing)."""
+    import torch
+    ix = torch.as_tensor(q_ix).long()
+    ql = torch.as_tensor(q_lp).float()
+    pl = p_log.gather(-1, ix)
+    p_in, q_in = pl.exp().sum(-1), ql.exp().sum(-1)
+    p_rest = (1 - p_in).clamp_min(0)
+    q_rest = (1 - q_in).clamp_min(1e-12)
+    kl = (pl.exp() * (pl - ql)).sum(-1) + torch.where(p_rest > 0, p_rest * (torch.log(p_rest.clamp_min(1e-30)) -
+                                                                                torch.log(q_rest)), 0.0)
+    return kl, p_rest
+
+
+def agreement(a: List[List[int]], b: List[List[int]]) -> Dict[str, float]:
+    same, prefix, full = 0, 0, 0
+    n = 0
+    for x, y in zip(a, b):
+        k = min(len(x), len(y))
+        eq = [x[i] == y[i] for i in range(k)]
+        same += sum(eq)
+        n += k
+        pre = next((i for i, e in enumerate(eq) if not e), k)
+        prefix += pre
+        full += int(pre == k)
+    m = max(len(a), 1)
+    return {"token_match": same / max(n, 1), "mean_prefix": prefix / m, "identical": full / m}
+
+
+def phase_report(a, vllm_results: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    import numpy as np
+    import torch
+    work = Path(a.work)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    st = json.loads((work / "students.json").read_text())
+    toks = json.loads((work / "tokens.json").read_text())
+    dev = "cpu" if a.smoke else "cuda"
+    bf = (vllm_results or {}).get("bf16") or json.loads((work / "bf16" / "vllm.json").read_text())
+    rows: Dict[str, Any] = {}
+    for name, c in st["cells"].items():
+        vp = work / name / "vllm.json"
+        v = (vllm_results or {}).get(name) or (json.loads(vp.read_text()) if vp.exists() else {"loaded": False})
+        r: Dict[str, Any] = {"cell": c, "vllm": {k: v.get(k) for k in ("loaded", "mode", "kernels", "init_errors",
+                                                                         "throughput", "vllm", "gpu", "error")}}
+        rows[name] = r
+        if not v.get("loaded"):
+            continue
+        z = np.load(vp.with_suffix(".npz")) if vllm_results is None else v["arrays"]
+        q_ix, q_lp = z["ix"], z["lp"]
+        variants = [("student", False)]
+        if "w4a4" in c["fmt"]:
+            variants.append(("student weights only", True))
+        for label, wo in variants:
+            m = _student_model(c["student_dir"], dev, wo)
+            p = _logprobs(m, toks["heldout"], dev)
+            kl, p_rest = coarse_kl(p, q_ix, q_lp)
+            diff = (p.gather(-1, torch.as_tensor(q_ix[..., :8]).long()) - torch.as_tensor(q_lp[..., :8])).abs()
+            rr = {"kl_vs_vllm": float(kl.mean()), "p_outside_topk": float(p_rest.mean()),
+                  "max_abs_logprob_diff_top8": float(diff.max()), "mean_abs_logprob_diff_top8": float(diff.mean()),
+                  "top1_agree": float((p.argmax(-1).numpy() == q_ix[..., 0]).mean())}
+            if label == "student":
+                rr["greedy_vs_vllm"] = agreement(_greedy(m, toks["prompts"], dev, GEN_TOKENS), v["greedy"])
+            if c.get("ptq_dir"):
+                # the same format's PTQ student (same forward variant), scored on vLLM's partition and in full
+                mp = _student_model(c["ptq_dir"], dev, wo)
+                pq = _logprobs(mp, toks["heldout"], dev)
+                kl_ptq, _ = coarse_kl(p, q_ix, pq.gather(-1, torch.as_tensor(q_ix).long()).numpy())
+                rr["kl_vs_ptq"] = float(kl_ptq.mean())
+                rr["kl_vs_ptq_full_vocab"] = float((p.exp() * (p - pq)).sum(-1).mean())
+                del mp, pq
+            r[label] = rr
+            del m, p
+            gc.collect()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        tp, tpb = v.get("throughput") or {}, bf.get("throughput") or {}
+        r["throughput_vs_bf16"] = {b: tp[b]["tokens_per_s"] / tpb[b]["tokens_per_s"] for b in tp if b in tpb}
+        s = r["student"]
+        # W4A4 on a GPU whose kernel is weight-only (Marlin on Hopper): vLLM runs the trained weights with
+        # bf16 activations, so the verdict compares it with the student's weight-only forward
+        weight_only_kernel = any("Marlin" in k for k in (v.get("kernels") or []))
+        basis = r.get("student weights only") if (weight_only_kernel and "student weights only" in r) else s
+        r["verdict_basis"] = "student weights only" if basis is not s else "student"
+        r["engine_runs_trained_numbers"] = ("kl_vs_ptq" in basis and basis["kl_vs_vllm"] < basis["kl_vs_ptq"])
+        say(f"{name}: KL(student||vLLM) {s['kl_vs_vllm']:.5f} vs PTQ {s.get('kl_vs_ptq', float('nan')):.5f}, "
+            f"greedy {s['greedy_vs_vllm']}, tok/s x{r['throughput_vs_bf16']}")
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "bf16": {k: bf.get(k) for k in
+           ("throughput", "mode", "vllm", "torch", "gpu")}, "cells": rows, "train": st.get("formats"),
+           "topk": TOPK, "tokens": {"sequences": len(toks["heldout"]), "seq_len": toks["seq_len"],
+                                    "prompts": len(toks["prompts"]), "gen_tokens": GEN_TOKENS}}
+    write_json(out / "engines.json", rep)
+    (out / "engines.md").write_text(markdown(rep))
+    return rep
+
+
+def _f(x, fmt=".4f"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def verdict(r: Dict[str, Any]) -> str:
+    if not r["vllm"].get("loaded"):
+        return "not loaded"
+    if "engine_runs_trained_numbers" not in r or "kl_vs_ptq" not in (r.get(r.get("verdict_basis", "student")) or {}):
+        return "no PTQ baseline (random MoE student)"
+    yes = r["engine_runs_trained_numbers"]
+    return ("yes" if yes else "NO") + (" (vs the weight-only forward)" if r.get("verdict_basis") != "student" else "")
+
+
+def markdown(rep: Dict[str, Any]) -> str:
+    b = rep["bf16"]
+    L = [f"vLLM {b.get('vllm')} on {b.get('gpu')} (torch {b.get('torch')}), {rep['date']}; "
+         f"{rep['tokens']['sequences']} held-out sequences x {rep['tokens']['seq_len']} tokens, top-{rep['topk']} "
+         f"prompt log-probs; {rep['tokens']['prompts']} greedy prompts x {rep['tokens']['gen_tokens']} tokens. "
+         f"bf16 decode: {_f((b.get('throughput') or {}).get('1', {}).get('tokens_per_s'), '.0f')} tok/s at batch 1, "
+         f"{_f((b.get('throughput') or {}).get('64', {}).get('tokens_per_s'), '.0f')} at batch 64 ({b.get('mode')}).", "",
+         "| cell | loaded | vLLM kernel | KL(student‖vLLM) | KL(student‖PTQ) | max |Δlogp| top-8 | top-1 | greedy tokens equal "
+         "| tok/s vs bf16 (b1 / b64) | runs the trained numbers |", "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for name, r in rep["cells"].items():
+        v = r["vllm"]
+        s = r.get("student", {})
+        g = s.get("greedy_vs_vllm", {})
+        tpr = r.get("throughput_vs_bf16", {})
+        k = "; ".join(v.get("kernels") or []) or "-"
+        L.append(f"| {name} | {'yes' if v.get('loaded') else 'NO'} ({v.get('mode') or '-'}) | {k} | "
+                 f"{_f(s.get('kl_vs_vllm'), '.5f')} | {_f(s.get('kl_vs_ptq'), '.5f')} | "
+                 f"{_f(s.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(s.get('top1_agree'), '.3f')} | "
+                 f"{_f(g.get('token_match'), '.3f')} | {_f(tpr.get('1'), '.2f')} / {_f(tpr.get('64'), '.2f')} | "
+                 f"{verdict(r)} |")
+        w = r.get("student weights only")
+        if w:
+            L.append(f"| {name} vs its weight-only forward | | | {_f(w.get('kl_vs_vllm'), '.5f')} | "
+                     f"{_f(w.get('kl_vs_ptq'), '.5f')} | "
+                     f"{_f(w.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(w.get('top1_agree'), '.3f')} | | |")
+        if not v.get("loaded"):
+            L.append(f"| {name}: refused | | {'; '.join(v.get('init_errors') or [str(v.get('error'))])[:300]} | | | | | | |")
+    return "\n".join(L) + "\n"
+
+
+# ============================================================================ smoke (CPU)
+def phase_smoke(a) -> Dict[str, Any]:
+    """students + report on CPU with a tiny model; vLLM's output is stood in for by the student's
+    own top-K (so the KL column must come out 0 and the PTQ column positive)."""
+    import numpy as np
+    import torch
+    a.smoke = True
+    st = phase_students(a)
+    toks = json.loads((Path(a.work) / "tokens.json").read_text())
+    fake: Dict[str, Any] = {"bf16": {"loaded": True, "throughput": {"1": {"tokens_per_s": 100.0}}}}
+    for name, c in st["cells"].items():
+        m = _student_model(c["student_dir"], "cpu")
+        p = _logprobs(m, toks["heldout"], "cpu")
+        lp, ix = p.topk(a.topk, -1)
+        fake[name] = {"loaded": True, "mode": "stand-in", "kernels": ["stand-in"], "arrays": {"lp": lp.numpy(),
+                      "ix": ix.numpy()}, "greedy": _greedy(m, toks["prompts"], "cpu", GEN_TOKENS),
+                      "throughput": {"1": {"tokens_per_s": 100.0}}}
+    return phase_report(a, fake)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=["students", "vllm", "report", "smoke", "vllm-one"])
+    p.add_argument("--work", default="/tmp/qf-engines")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/qf-engines/out"))
+    p.add_argument("--cells", default=",".join(c.name for c in CELLS))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--calib", type=int, default=8)
+    p.add_argument("--eval-seqs", type=int, default=8, dest="eval_seqs")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32, dest="prompt_len")
+    p.add_argument("--topk", type=int, default=TOPK)
+    p.add_argument("--per-model-timeout", type=int, default=240, dest="per_model_timeout")
+    p.add_argument("--model"), p.add_argument("--tokens")
+    a = p.parse_args(argv)
+    a.cells = [c for c in a.cells.split(",") if c]
+    bad = [c for c in a.cells if c not in {x.name for x in CELLS}]
+    if bad:
+        p.error(f"--cells: unknown {bad}; allowed: {[x.name for x in CELLS]}")
+    a.smoke = False
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    if a.phase == "vllm-one":
+        vllm_one(a.model, a.tokens, a.out, a.topk)
+    elif a.phase == "students":
+        phase_students(a)
+    elif a.phase == "vllm":
+        phase_vllm(a)
+    elif a.phase == "report":
+        phase_report(a)
+    else:
+        phase_smoke(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

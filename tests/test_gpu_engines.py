@@ -1,0 +1,36 @@
+"""benchmarks/gpu/engines.py (vLLM loads our exports on the H200): the CPU smoke run of its student and
+report phases, with the student's own top-K standing in for vLLM's output, so the script cannot rot.
+The vLLM phase itself needs CUDA and runs only on the GPU machine (benchmarks/gpu/engines.sh)."""
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+import engines  # noqa: E402
+
+
+def test_engines_smoke_students_and_report(tmp_path):
+    cells = "nvfp4-w4a16-modelopt,mxfp4-w4a4-ct,moe-nvfp4-w4a16-ct"
+    rep = engines.main(["smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--cells", cells,
+                        "--steps", "2", "--seq", "64", "--micro", "2", "--eval-seqs", "2", "--prompts", "2",
+                        "--prompt-len", "8", "--calib", "2", "--topk", "16"])
+    assert rep == 0
+    d = json.loads((tmp_path / "out" / "engines.json").read_text())
+    assert sorted(d["cells"]) == sorted(cells.split(","))
+    for name, r in d["cells"].items():
+        s = r["student"]
+        # the stand-in is the student itself: KL 0, identical top-1 and greedy continuations
+        assert abs(s["kl_vs_vllm"]) < 1e-6 and s["top1_agree"] == 1.0, (name, s)
+        assert s["greedy_vs_vllm"]["identical"] == 1.0
+        assert s["max_abs_logprob_diff_top8"] == 0.0
+    # the W4A4 cell is also compared with its weight-only forward (what a weight-only kernel runs)
+    w = d["cells"]["mxfp4-w4a4-ct"]["student weights only"]
+    assert w["kl_vs_vllm"] > 0 and "kl_vs_ptq" in w
+    assert "kl_vs_ptq" in d["cells"]["nvfp4-w4a16-modelopt"]["student"]
+    assert "kl_vs_ptq" not in d["cells"]["moe-nvfp4-w4a16-ct"]["student"]     # random MoE: no PTQ baseline
+    md = (tmp_path / "out" / "engines.md").read_text()
+    for name in cells.split(","):
+        assert f"| {name} |" in md
+    exp = Path(d["cells"]["nvfp4-w4a16-modelopt"]["cell"]["export_dir"])
+    assert (exp / "hf_quant_config.json").is_file() and (exp / "model.safetensors").is_file()
