@@ -364,13 +364,19 @@ def phase_vllm(a) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         t = time.time()
         say(f"vLLM {name}: {d}")
-        r = subprocess.run([sys.executable, __file__, "vllm-one", "--model", d, "--tokens", str(work / "tokens.json"),
-                            "--out", str(out), "--topk", str(a.topk)], capture_output=True, text=True,
-                           timeout=a.per_model_timeout)
-        (work / name / "vllm.log").write_text(r.stdout[-30000:] + "\n----- stderr\n" + r.stderr[-60000:])
+        if out.exists() and json.loads(out.read_text()).get("loaded"):
+            say(f"vLLM {name}: done in an earlier call")
+            continue
+        try:
+            r = subprocess.run([sys.executable, __file__, "vllm-one", "--model", d, "--tokens", str(work / "tokens.json"),
+                                "--out", str(out), "--topk", str(a.topk)], capture_output=True, text=True,
+                               timeout=a.per_model_timeout)
+            log, rc = r.stdout[-30000:] + "\n----- stderr\n" + r.stderr[-60000:], r.returncode
+        except subprocess.TimeoutExpired as e:
+            log, rc = f"timed out after {a.per_model_timeout} s\n" + str(e.stdout or "")[-20000:] + str(e.stderr or "")[-40000:], -9
+        (work / name / "vllm.log").write_text(log)
         if not out.exists():
-            write_json(out, {"loaded": False, "error": (r.stderr.strip().splitlines() or ["?"])[-5:],
-                             "exit": r.returncode})
+            write_json(out, {"loaded": False, "error": (log.strip().splitlines() or ["?"])[-5:], "exit": rc})
         v = json.loads(out.read_text())
         say(f"  {name}: loaded={v.get('loaded')} mode={v.get('mode')} {time.time() - t:.0f} s "
             f"{v.get('kernels', '')} {v.get('throughput', '')}")
@@ -585,7 +591,7 @@ def parse(argv):
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32, dest="prompt_len")
     p.add_argument("--topk", type=int, default=TOPK)
-    p.add_argument("--per-model-timeout", type=int, default=240, dest="per_model_timeout")
+    p.add_argument("--per-model-timeout", type=int, default=110, dest="per_model_timeout")
     p.add_argument("--model"), p.add_argument("--tokens")
     a = p.parse_args(argv)
     a.cells = [c for c in a.cells.split(",") if c]

@@ -36,7 +36,9 @@ case $cmd in
             2>&1 | tee "$OUT/engines_students.log" ;;
     vllm)
         [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
-        PYTHONPATH=/tmp/vsite python3 benchmarks/gpu/engines.py vllm --work "$WORK" "$@" 2>&1 | tee "$OUT/engines_vllm.log"
+        # the vLLM phase stops in time for the report to fit the 600 s a device call may run
+        PYTHONPATH=/tmp/vsite timeout -k 10 "${T_VLLM:-450}" python3 benchmarks/gpu/engines.py vllm --work "$WORK" "$@" \
+            2>&1 | tee "$OUT/engines_vllm.log"
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/vllm_logs.tgz" */vllm.log */vllm.json qad-*.log 2>/dev/null) ;;
