@@ -204,26 +204,40 @@ def phase_students(a) -> Dict[str, Any]:
     write_json(work / "tokens.json", ids)
     state: Dict[str, Any] = {"prep": prep, "cells": {}, "formats": {}, "args": vars(a)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    for fmt in sorted({c.fmt for c in CELLS if c.model == "smollm2" and c.name in a.cells}):
+    fmts = sorted({c.fmt for c in CELLS if c.model == "smollm2" and c.name in a.cells})
+    # the QAD runs are small for an H200: all of them at once, one process each, while the PTQ
+    # students are calibrated here
+    procs = {}
+    for fmt in fmts:
+        run_dir = work / f"qad-{fmt}"
+        if (run_dir / "student" / "qatfactory_quant.json").exists():
+            continue
+        cmd = [sys.executable, "-m", "qatfactory.train"] + _train_overrides(a, prep, fmt, run_dir)
+        say(f"QAD {fmt}: {a.steps} steps")
+        log = open(work / f"qad-{fmt}.log", "w")
+        procs[fmt] = (subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT), log,
+                      time.time())
+        if a.smoke:            # two CPU cores: one at a time
+            procs[fmt][0].wait()
+    for fmt in fmts:
         f: Dict[str, Any] = {}
         ptq_dir = work / f"ptq-{fmt}"
         if not (ptq_dir / "qatfactory_quant.json").exists():
             t = time.time()
             ptq_student(prep, fmt, ptq_dir, a)
             f["ptq_s"] = time.time() - t
-        run_dir = work / f"qad-{fmt}"
-        if not (run_dir / "student" / "qatfactory_quant.json").exists():
-            t = time.time()
-            cmd = [sys.executable, "-m", "qatfactory.train"] + _train_overrides(a, prep, fmt, run_dir)
-            say(f"QAD {fmt}: {a.steps} steps")
-            r = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True)
-            (work / f"qad-{fmt}.log").write_text(r.stdout[-20000:] + "\n" + r.stderr[-20000:])
-            if r.returncode != 0:
-                raise RuntimeError(f"QAD {fmt} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-3:]}")
-            f["qad_s"] = time.time() - t
-        summ = json.loads((run_dir / "summary.json").read_text())
-        f["train"] = {k: summ.get(k) for k in ("steps", "tokens", "time_s", "eval_first", "eval_last")}
         state["formats"][fmt] = f
+    for fmt, (p, log, t) in procs.items():
+        rc = p.wait()
+        log.close()
+        state["formats"][fmt]["qad_s"] = time.time() - t
+        if rc != 0:
+            tail = (work / f"qad-{fmt}.log").read_text().strip().splitlines()[-5:]
+            raise RuntimeError(f"QAD {fmt} failed (exit {rc}): {tail}")
+    for fmt in fmts:
+        summ = json.loads((work / f"qad-{fmt}" / "summary.json").read_text())
+        state["formats"][fmt]["train"] = {k: summ.get(k) for k in ("steps", "tokens", "time_s", "eval_first",
+                                                                   "eval_last")}
     moe_dir = work / "student-tiny_qwen3_moe"
     for cell in CELLS:
         if cell.name not in a.cells:

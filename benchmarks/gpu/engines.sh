@@ -5,10 +5,11 @@
 # Then six back-to-back device calls (each within the 30 s the machine stays warm; `stage.sh plan` prints
 # the sizes, all under the 64 MiB a call carries):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#                                                 bash benchmarks/gpu/engines.sh stash
+#                                                 bash benchmarks/gpu/engines.sh preflight  (installs both
+#                                                 stacks' wheels and imports every vLLM dependency)
 #   2 carry [.gpu/smollm2.gguf.part-aa]           bash benchmarks/gpu/engines.sh stash
-#   3 carry [.gpu/smollm2.gguf.part-ab]           bash benchmarks/gpu/engines.sh students   (~4 min: PTQ + QAD
-#                                                 students of 4 formats, the tiny MoE student, 6 exports)
+#   3 carry [.gpu/smollm2.gguf.part-ab]           bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
+#                                                 students of 4 formats, QAD runs in parallel, the tiny MoE student, 6 exports)
 #   4 carry [.vllm/vllm.zip.part-aa]              bash benchmarks/gpu/engines.sh stash
 #   5 carry [.vllm/vllm.zip.part-ab]              bash benchmarks/gpu/engines.sh stash
 #   6 carry [.vllm/vllm.zip.part-ac]              bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
@@ -30,6 +31,9 @@ cmd=${1:-all}; shift || true
 bash benchmarks/gpu/stage.sh stash >/dev/null
 case $cmd in
     stash) ls /tmp/qf-parts ;;
+    preflight)   # first call: our stack and vLLM's deps installed and imported while the rest is carried
+        [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
+        bash benchmarks/gpu/stage.sh install-vllm-deps ;;
     students)
         [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
         PATH=/tmp/site/bin:$PATH PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py students --work "$WORK" "$@" \

@@ -36,7 +36,7 @@ OURS=(
 VLLM_VERSION=0.24.0
 VLLM_DEPS=(
     annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.3
-    llguidance==1.7.3 msgspec==0.23.0 openai==3.57.0 openai-harmony==0.0.8 opentelemetry-api==1.45.2
+    llguidance==1.7.3 msgspec==0.23.0 openai==2.54.0 openai-harmony==0.0.8 opentelemetry-api==1.45.2
     partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0
     sniffio==1.3.1 starlette==1.10.0 typing-inspection==0.4.5 xgrammar==0.2.9 astor==0.8.1 blake3==1.0.11
     compressed-tensors==0.17.0 depyf==0.20.0 dill==0.4.1 diskcache==5.6.3 gguf==0.19.0 ijson==3.6.0
@@ -115,6 +115,24 @@ EOF
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             "$src"/*.whl
         echo "our stack in /tmp/site (from $src)" ;;
+    install-vllm-deps)
+        # vLLM's deps alone (they arrive in the first call): every module imported once, so a missing or
+        # wrong dependency shows up before the 180 MB of vLLM itself is carried
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vsite \
+            "$PARTS/.vllm/deps"/*.whl
+        PYTHONPATH=/tmp/vsite python3 -c "
+import importlib
+mods = 'openai fastapi starlette xgrammar llguidance msgspec zmq cbor2 pybase64 compressed_tensors depyf \
+partial_json_parser openai_harmony opentelemetry blake3 setproctitle ijson lark diskcache watchfiles gguf pydantic \
+cachetools tvm_ffi jiter distro loguru pythonjsonlogger'.split()
+bad = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        bad.append(f'{m}: {type(e).__name__}: {e}')
+print('vLLM deps import:', 'OK' if not bad else bad)
+raise SystemExit(1 if bad else 0)" ;;
     install-vllm)
         man="$PARTS/vllm.manifest"
         [ -f "$man" ] || { echo "no $man: carry .vllm/vllm.manifest and stash it" >&2; exit 2; }
@@ -124,11 +142,11 @@ EOF
         cat $(awk '$1 == "part" {print "'"$PARTS"'/" $2}' "$man") > /tmp/vllm.zip
         got=$(sha256sum /tmp/vllm.zip | cut -d' ' -f1)
         [ "$got" = "$want" ] || { echo "vllm.zip sha256 $got != manifest $want" >&2; exit 2; }
-        rm -rf /tmp/vsite && mkdir -p /tmp/vsite
+        [ -d /tmp/vsite/openai ] || bash "$0" install-vllm-deps
+        rm -rf /tmp/vsite/vllm /tmp/vsite/vllm-*.dist-info
         python3 -c "import zipfile; zipfile.ZipFile('/tmp/vllm.zip').extractall('/tmp/vsite')"
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite \
-            "$PARTS/.vllm/deps"/*.whl
         rm -f /tmp/vllm.zip
+        PYTHONPATH=/tmp/vsite python3 -c "import vllm.entrypoints.llm" || { echo "import vllm.entrypoints.llm failed" >&2; exit 2; }
         echo "vLLM $(grep '^wheel ' "$man" | cut -d' ' -f2) in /tmp/vsite ($(du -sh /tmp/vsite | cut -f1))" ;;
-    *) echo "usage: $0 pack|plan|stash|install-ours|install-vllm" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|plan|stash|install-ours|install-vllm-deps|install-vllm" >&2; exit 2 ;;
 esac
