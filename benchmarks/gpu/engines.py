@@ -297,6 +297,9 @@ def _describe_kernels(model) -> List[str]:
 def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None:
     """Runs inside vLLM's Python path, one model per process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the model lives in this process
+    # vLLM's sampler imports FlashInfer at init unless told not to (its cuda requirements install it; the
+    # carried copy leaves it out): greedy decoding and prompt log-probs need no FlashInfer sampling
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -306,7 +309,8 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None
                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     t = time.time()
     llm, err = None, []
-    for mode in ("cudagraphs", "eager"):
+    import traceback
+    for mode in ("cudagraphs", "eager", "eager-triton-attn"):
         kw = dict(model=model_dir, dtype="bfloat16", max_model_len=max(1024, toks["seq_len"] + 16), seed=0,
                   gpu_memory_utilization=0.30, max_logprobs=topk, enable_prefix_caching=False,
                   max_num_seqs=64, tokenizer=model_dir)
@@ -314,12 +318,14 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None
             kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         else:
             kw["enforce_eager"] = True
+        if mode == "eager-triton-attn":
+            kw["attention_config"] = {"backend": "TRITON_ATTN"}
         try:
             llm = LLM(**kw)
             res["mode"] = mode
             break
         except Exception as e:   # recorded; the next mode is tried
-            err.append(f"{mode}: {type(e).__name__}: {str(e)[:400]}")
+            err.append(f"{mode}: {type(e).__name__}: {str(e)[:400]} | " + traceback.format_exc()[-1500:])
             gc.collect()
             torch.cuda.empty_cache()
     res["init_errors"] = err
@@ -358,7 +364,7 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None
         spt = SamplingParams(max_tokens=THROUGHPUT_TOKENS, temperature=0.0, ignore_eos=True)
         llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
         best = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             torch.cuda.synchronize()
             t = time.time()
             llm.generate(prompts, spt, use_tqdm=False)
@@ -420,14 +426,13 @@ def _logprobs(m, ids, dev):
 
 
 def _greedy(m, prompts, dev, n):
+    """Greedy continuations of equal-length prompts, in one batch (no padding needed)."""
     import torch
-    outs = []
     with torch.no_grad():
-        for p in prompts:
-            x = torch.tensor([p], device=dev)
-            y = m.generate(x, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
-            outs.append(y[0, len(p):].tolist())
-    return outs
+        x = torch.tensor(prompts, device=dev)
+        y = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+    return y[:, x.shape[1]:].tolist()
 
 
 def coarse_kl(p_log, q_ix, q_lp):

@@ -35,7 +35,7 @@ OURS=(
 )
 VLLM_VERSION=0.24.0
 VLLM_DEPS=(
-    annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.3
+    annotated-types==0.8.0 apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.3
     llguidance==1.7.3 msgspec==0.23.0 openai==2.54.0 openai-harmony==0.0.8 opentelemetry-api==1.45.2
     partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0
     sniffio==1.3.1 starlette==1.10.0 typing-inspection==0.4.5 xgrammar==0.2.9 astor==0.8.1 blake3==1.0.11
