@@ -180,7 +180,7 @@ def _logit_check(res: VerifyResult, name: str, ref: torch.Tensor, got: torch.Ten
 
 
 def _tie_check(res: VerifyResult, student: ConvertedModel, has_lm_head: bool, what: str,
-               exported_tie: Optional[bool]) -> None:
+               exported_tie: Optional[bool], untied_copy: Optional[bool] = None) -> None:
     """lm_head follows config.tie_word_embeddings: a tied model ships no lm_head (engines reuse the
     embedding; transformers' GGUF loader even infers the tie from a missing output.weight); an
     untied one must ship it, or llama.cpp would silently fall back to token_embd."""
@@ -190,6 +190,14 @@ def _tie_check(res: VerifyResult, student: ConvertedModel, has_lm_head: bool, wh
     ok = has_lm_head != bool(want)
     if exported_tie is not None:  # safetensors: the engine reads the tie from the exported config.json
         ok = ok and exported_tie == bool(want)
+    if untied_copy is not None:
+        # a tied student shipped untied (vLLM's ModelOpt loader cannot tie): the head must be the embedding
+        ok = bool(want) and has_lm_head and exported_tie is False and untied_copy
+        res.add("lm_head", "tied embeddings (shipped untied)", "ok" if ok else "FAIL",
+                "tie_word_embeddings=True in the student; the export writes lm_head.weight = the embedding's bytes "
+                "and tie_word_embeddings=false (vLLM cannot tie an lm_head under a ModelOpt config)"
+                + ("" if untied_copy else "; lm_head.weight differs from model.embed_tokens.weight"))
+        return
     res.add("lm_head", "tied embeddings" if want else "untied lm_head", "ok" if ok else "FAIL",
             f"tie_word_embeddings={bool(want)}; {what} {'present' if has_lm_head else 'absent'}"
             + ("" if exported_tie is None else f"; exported config tie_word_embeddings={exported_tie}"))
@@ -254,7 +262,11 @@ def _verify_safetensors(res, d: Path, student, rec, prompt, do_logits, rtol):
         except Exception as e:  # a config compressed-tensors refuses is a failed export
             res.add("config.json", "config", "FAIL", f"compressed-tensors rejects it: {e}")
     tied = bool(cfg.get("tie_word_embeddings"))
-    _tie_check(res, student, any(k.startswith("lm_head.") for k in sd), "lm_head.*", tied)
+    copy = None
+    if flavour == "modelopt" and student.config.get("tie_word_embeddings") and not tied:
+        a, b = sd.get(LM_HEAD), sd.get("model.embed_tokens.weight")
+        copy = a is not None and b is not None and _bits_equal(a, b)
+    _tie_check(res, student, any(k.startswith("lm_head.") for k in sd), "lm_head.*", tied, copy)
     for m in sorted(excluded):
         t = sd.get(m + ".weight")
         if tied and m + ".weight" == LM_HEAD:
@@ -263,7 +275,10 @@ def _verify_safetensors(res, d: Path, student, rec, prompt, do_logits, rtol):
             if not any(k.startswith(m + ".") for k in sd):
                 res.add(m, "excluded (model dtype)", "ok", "tied: not written, listed as unquantized")
             continue
-        ok = t is not None and t.dtype == student.dense.get(m + ".weight", torch.empty(0)).dtype and \
+        ref = student.dense.get(m + ".weight")
+        if ref is None and copy and m + ".weight" == LM_HEAD:
+            ref = student.dense.get("model.embed_tokens.weight")
+        ok = t is not None and ref is not None and t.dtype == ref.dtype and \
             all(m + s not in sd for s in (".weight_scale", ".weight_packed"))
         res.add(m, "excluded (model dtype)", "ok" if ok else "FAIL", "" if t is None else str(t.dtype))
 

@@ -156,9 +156,19 @@ class SafetensorsExporter(Exporter):
                         tensors[m + ".input_global_scale"] = (1.0 / s_a).reshape(1)
                 else:
                     tensors[m + ".weight_scale"] = p.scales.to(torch.uint8)
+        untie = flavour == "modelopt" and ties_embeddings(converted) and EMBED in converted.dense
+        if untie:
+            # vLLM (0.24, checked on an H200) cannot tie lm_head under a ModelOpt quantization config: its
+            # ModelOpt get_quant_method gives the ParallelLMHead a linear method, excluded or not, and
+            # ParallelLMHead.tie_weights then raises NotImplementedError. The export therefore ships the
+            # head untied: lm_head.weight is the embedding's own bytes, listed in exclude_modules, so the
+            # engine computes the same logits the tied student does.
+            tensors[LM_HEAD] = converted.dense[EMBED].clone()
         files = save_sharded(tensors, out, max_shard_bytes=max_shard_bytes)
 
         cfg = dict(converted.config)
+        if untie:
+            cfg["tie_word_embeddings"] = False
         cfg.pop("quantization_config", None)
         if not cfg.get("torch_dtype"):
             cfg["torch_dtype"] = cfg.get("dtype") or _dtype_name(converted)
@@ -176,6 +186,7 @@ class SafetensorsExporter(Exporter):
         files += copy_source_files(converted.source_dir, out)
         extra = {"layout": lay, "mode": mode, "exclude_modules": exclude,
                  "tied_embeddings": bool(cfg.get("tie_word_embeddings")),
+                 "untied_lm_head_copy": bool(untie),
                  "global_scale_convention": ("multiply (S = amax/2688)" if flavour == "modelopt" else
                                              "divide (G = 1/S)" if lay == "nvfp4" else "none (E8M0 only)")}
         return files, extra
