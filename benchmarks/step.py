@@ -142,6 +142,74 @@ def loss_memory(args) -> int:
     return 0
 
 
+# the goals of issue 17: (ours, peer, allowed ratio)
+GOALS = [
+    ("QAT W4A16 (CE)", "ModelOpt W4A16 QAT, fp32 masters", 1.0),
+    ("QAT W4A4 (CE)", "ModelOpt W4A4 QAT, fp32 masters", 1.0),
+    ("QAD W4A16 live teacher", "ModelOpt QAD W4A16, fp32 masters", 1.0),
+    ("QAD W4A16 cached teacher (top-64)", "QAT W4A16 (CE)", 1.10),
+    ("bf16 SFT (no quant, CE)", "plain loop, fp32 masters", 1.10),
+    ("QAT W4A16 (CE)", "ModelOpt W4A16 QAT, bf16 params", 1.0),
+    ("QAD W4A16 live teacher", "ModelOpt QAD W4A16, bf16 params", 1.0),
+]
+
+
+def summarize(order, runs) -> list:
+    out = []
+    for kind, name in order:
+        ok = [r for r in runs[name] if "ms_per_step" in r]
+        if not ok:
+            out.append({"kind": kind, "variant": name, "error": runs[name][-1].get("error", "?")})
+            continue
+        ms = [r["ms_per_step"] for r in ok]
+        mem = [r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None]
+        out.append({"kind": kind, "variant": name, "ms_per_step": statistics.median(ms), "min_ms": min(ms),
+                    "max_ms": max(ms), "rounds": len(ms), "tokens_per_s": 4 * 2048 / (statistics.median(ms) / 1000),
+                    "peak_mem_gib": max(mem) if mem else None,
+                    "weights_changed_by_step_1": ok[0].get("weights_changed_by_step_1"), "runs": ok})
+    return out
+
+
+def table(rows) -> str:
+    by = {r["variant"]: r for r in rows if "ms_per_step" in r}
+    base = by.get("plain loop, fp32 masters")
+    L = ["| variant | ms/step | spread | tokens/s | vs plain fp32-master loop | peak GiB | weights changed by step 1 |",
+         "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            L.append(f"| {r['variant']} | failed | | | | | {r['error'][:90]} |")
+            continue
+        rel = f"{r['ms_per_step'] / base['ms_per_step']:.2f}x" if base else "-"
+        ch = r.get("weights_changed_by_step_1")
+        mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        chg = "-" if ch is None else f"{100 * ch:.1f}%"
+        L.append(f"| {'ours: ' if r['kind'] == 'ours' else ''}{r['variant']} | {r['ms_per_step']:.1f} | "
+                 f"{r['min_ms']:.1f}..{r['max_ms']:.1f} | {r['tokens_per_s']:.0f} | {rel} | {mem} | {chg} |")
+    L += ["", "| goal | ours / peer | allowed | met |", "|---|---:|---:|---|"]
+    for ours, peer, lim in GOALS:
+        if ours in by and peer in by:
+            q = by[ours]["ms_per_step"] / by[peer]["ms_per_step"]
+            L.append(f"| {ours} vs {peer} | {q:.2f} | <= {lim:.2f} | {'yes' if q <= lim else 'NO'} |")
+    return "\n".join(L)
+
+
+def versions() -> str:
+    import importlib.metadata as md
+    v = []
+    for pkg in ("torch", "deepspeed", "nvidia-modelopt", "transformers"):
+        try:
+            v.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            v.append(torch.cuda.get_device_name(0))
+    except ImportError:
+        pass
+    return "; " + ", ".join(v) if v else ""
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
@@ -160,6 +228,9 @@ def main():
                          "the op table goes to <--out folder>/profile_<variant>.txt")
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds of every variant")
+    ap.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="leave out the peers' rows (plain loops, Model Optimizer; benchmarks/step_peers.py)")
     ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
     ap.add_argument("--loss-smoke", action="store_true", help="with --loss: CPU-sized shapes (checks the script)")
     args = ap.parse_args()
@@ -177,56 +248,55 @@ def main():
     if args.only is not None:
         args.profile = args.profile if args.profile_dir else None
         row = one(args.only, vs[args.only], args)
-        if args.tag:
-            row["variant"] += f", {args.tag}"
         print("ROW " + json.dumps(row), flush=True)
         return 0
     work = args.workdir or tempfile.mkdtemp(prefix="qf-step-bench-")
     out_dir = Path(args.out) if args.out and Path(args.out).is_dir() else None
-    jobs = [(name, []) for name in vs]
-    base_name = next(iter(variants(args.format)))
-    if base_name in vs and len(vs) > 1:
-        # the baseline once more at the end: the two SFT rows bound the drift between processes
-        jobs.append((base_name, ["--tag", "again"]))
+    jobs = [("ours", name, []) for name in vs]
+    if args.peers:
+        import step_peers
+        jobs += [("peer", name, []) for name in step_peers.PEERS]
+    profile_job = None
     if args.profile:
         hit = [n for n in vs if args.profile in n]
         if not hit:
             ap.error(f"--profile {args.profile!r} matches no selected variant")
-        jobs.append((hit[0], ["--profile", args.profile, "--profile-dir", str(out_dir or work), "--steps", "5"]))
-    rows = []
-    for name, extra in jobs:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
-               "--chunk", str(args.chunk), "--model", args.model] + extra
-        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
-        line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
-        if p.returncode != 0 or not line:
-            rows.append({"variant": name, "error": (p.stderr or p.stdout)[-400:].replace("\n", " ")})
-            print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        if "--profile" in extra:          # the profiled run: its timings are not comparable
-            print(f"[bench] {name}: profiled", file=sys.stderr, flush=True)
-            continue
-        rows.append(json.loads(line[-1][4:]))
-        # the whole row as soon as it exists: a run cut short by its time limit still reports it
-        print(f"[bench] {name}: " + json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    ok = [r for r in rows if "ms_per_step" in r and r["variant"].startswith(base_name)]
-    # the ratio's denominator: the mean of the SFT runs made before and after the others
-    base = {"ms_per_step": statistics.mean(r["ms_per_step"] for r in ok)} if ok else None
+        profile_job = ("ours", hit[0], ["--profile", args.profile, "--profile-dir", str(out_dir or work), "--steps", "5"])
+    runs: dict = {}
+    order = []
+    # every variant once per round, rounds repeated: drift over the run lands in the spread, not in a ratio
+    for rnd in range(args.repeat):
+        for kind, name, extra in jobs + ([profile_job] if profile_job and rnd == 0 else []):
+            if kind == "ours":
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
+                       "--chunk", str(args.chunk), "--model", args.model, "--tag", f"r{rnd}"] + extra
+            else:
+                cmd = [sys.executable, str(Path(__file__).resolve().parent / "step_peers.py"), "--only", name,
+                       "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+            line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
+            if "--profile" in extra:          # the profiled run: its timings are not comparable
+                print(f"[bench] {name}: profiled", file=sys.stderr, flush=True)
+                continue
+            if p.returncode != 0 or not line:
+                row = {"variant": name, "error": (p.stderr or p.stdout)[-400:].replace("\n", " ")}
+                print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
+            else:
+                row = json.loads(line[-1][4:])
+                row["variant"] = name
+            if name not in runs:
+                order.append((kind, name))
+            runs.setdefault(name, []).append(row)
+            # every row as soon as it exists: a run cut short by its time limit still reports it
+            print(f"[bench] {name} (round {rnd}): " + json.dumps(row), file=sys.stderr, flush=True)
+    rows = summarize(order, runs)
     shape = "hidden 2048 x 16 layers" if args.model == "llama1b" else "SmolLM2-135M shape (576 x 30 layers)"
-    print(f"\nstep time, random Llama {shape}, batch 4 x 2048, bf16, fused AdamW, "
-          f"{args.steps} steps ({args.warmup} warm-up excluded), format {args.format}; ratios against the mean "
-          f"of the SFT runs\n")
-    print("| variant | ms/step | tokens/s | vs bf16 SFT | peak memory (GiB) |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | failed | | | {r['error'][:80]} |")
-            continue
-        rel = r["ms_per_step"] / base["ms_per_step"] if base else float("nan")
-        print(f"| {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | "
-              f"{r['peak_mem_gib']:.1f} |")
+    print(f"\nstep time, random Llama {shape}, batch 4 x 2048, bf16, {args.steps} steps ({args.warmup} warm-up "
+          f"excluded), format {args.format}, {args.repeat} interleaved rounds (median of the rounds' medians; "
+          f"spread = min..max over rounds){versions()}\n")
+    print(table(rows))
     if args.out:
         (out_dir / "step.json" if out_dir else Path(args.out)).write_text(json.dumps(rows, indent=1))
     return 0

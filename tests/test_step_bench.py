@@ -1,0 +1,49 @@
+"""benchmarks/step.py and step_peers.py (issue 17): the peers' plain loops run (a CPU-sized smoke, which
+measures nothing), the table and the goal ratios come out of the rows, and the peers train the same
+model shape as our rows."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import step  # noqa: E402
+import step_peers  # noqa: E402
+
+
+def test_peer_shapes_are_ours():
+    for name, over in step.MODELS.items():
+        shape = {o.split("=")[0].split(".")[-1]: o.split("=")[1] for o in over if o.startswith("model.tiny.")}
+        want = {k: str(v).lower() for k, v in step_peers.SHAPES[name].items()}
+        assert {k: v.lower() for k, v in shape.items()} == want, name
+
+
+def test_plain_loops_run_and_show_what_bf16_params_lose():
+    rows = {}
+    for name in ("plain loop, bf16 params", "plain loop, fp32 masters", "ModelOpt W4A16 QAT, bf16 params"):
+        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_peers.py"), "--only", name, "--smoke"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows[name] = json.loads([l for l in p.stdout.splitlines() if l.startswith("ROW ")][-1][4:])
+    bf, fp = rows["plain loop, bf16 params"], rows["plain loop, fp32 masters"]
+    assert bf["ms_per_step"] > 0 and fp["ms_per_step"] > 0
+    # one AdamW step at lr 5e-6: most bf16 weights round back to themselves, fp32 masters all move
+    assert fp["weights_changed_by_step_1"] > 0.9 > bf["weights_changed_by_step_1"]
+    # ModelOpt's NVFP4 fake quant is CUDA-only: on a CPU the row says so instead of timing something else
+    assert "CUDA only" in rows["ModelOpt W4A16 QAT, bf16 params"]["error"]
+
+
+def test_table_and_goals_from_rows():
+    runs = {"QAT W4A16 (CE)": [{"ms_per_step": 10.0, "peak_mem_gib": 2.0}, {"ms_per_step": 12.0, "peak_mem_gib": 2.1}],
+            "ModelOpt W4A16 QAT, fp32 masters": [{"ms_per_step": 11.0, "peak_mem_gib": 3.0}],
+            "plain loop, fp32 masters": [{"ms_per_step": 8.0, "peak_mem_gib": 1.0, "weights_changed_by_step_1": 0.98}],
+            "ModelOpt W4A4 QAT, fp32 masters": [{"error": "x"}]}
+    order = [("ours", "QAT W4A16 (CE)"), ("peer", "ModelOpt W4A16 QAT, fp32 masters"),
+             ("peer", "plain loop, fp32 masters"), ("peer", "ModelOpt W4A4 QAT, fp32 masters")]
+    rows = step.summarize(order, runs)
+    assert rows[0]["ms_per_step"] == 11.0 and rows[0]["min_ms"] == 10.0 and rows[0]["max_ms"] == 12.0
+    t = step.table(rows)
+    assert "| ours: QAT W4A16 (CE) | 11.0 | 10.0..12.0 |" in t and "1.38x" in t and "98.0%" in t
+    assert "| QAT W4A16 (CE) vs ModelOpt W4A16 QAT, fp32 masters | 1.00 | <= 1.00 | yes |" in t
+    assert "| ModelOpt W4A4 QAT, fp32 masters | failed |" in t
