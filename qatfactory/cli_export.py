@@ -72,20 +72,33 @@ def _print_result(res, quiet: bool) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Exit codes: 0 success / parity PASS, 1 parity FAIL, 2 refused (bad input, existing output,
-    a combination the engine cannot load), with the reason on stderr."""
-    args = _parser().parse_args(argv)
+    """Exit codes (qatfactory.exitcodes): 0 success / parity PASS, 1 parity FAIL, 2 INCOMPLETE,
+    3 a bad command line, 4 refused input (missing or damaged files, an output that is not ours to
+    replace, a combination the engine cannot load), 5 anything else; the reason on stderr, one line."""
+    from qatfactory import exitcodes as X
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:      # argparse: --help exits 0, a bad command line 2 -> USAGE
+        return X.OK if e.code in (0, None) else X.USAGE
     try:
         return _run(args)
-    except (FileExistsError, FileNotFoundError, NotImplementedError, ValueError) as e:
-        print(f"qatfactory {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as e:
+        return X.report(f"qatfactory {args.cmd}", e)
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+            NotImplementedError, ValueError, TypeError, KeyError) as e:
+        return X.report(f"qatfactory {args.cmd}", e, X.BAD_INPUT)
+    except Exception as e:  # noqa: BLE001 - one line and an exit code, never an uncaught traceback
+        return X.report(f"qatfactory {args.cmd}", e, X.RUN_FAILED)
 
 
 def _run(args) -> int:
     from qatfactory.exporters import export, verify
 
     if args.cmd == "export":
+        from qatfactory._fsutil import check_replaceable
+        # refused before the student is even loaded: an output that is not ours, or that is (or
+        # holds) the student the export is made from
+        check_replaceable(args.out, ("export",), "export", [args.student, args.source_dir])
         cm = load_converted(args.student, args.source_dir)
         opts = {}
         if args.engine == "llama_cpp":

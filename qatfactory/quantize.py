@@ -24,8 +24,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -969,24 +967,6 @@ def register_zero3_external_params(model: nn.Module) -> int:
 QUANT_FILE = "qatfactory_quant.json"
 
 
-def _atomic_dir(target: str):
-    parent = os.path.dirname(os.path.abspath(target)) or "."
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.tmp-", dir=parent)
-
-
-def _commit_dir(tmp: str, target: str) -> None:
-    target = os.path.abspath(target)
-    old = None
-    if os.path.exists(target):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
-        os.rmdir(old)
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _student_state(model) -> Dict[str, torch.Tensor]:
     """state_dict without tied duplicates (safetensors refuses shared storage)."""
     sd = model.state_dict()
@@ -1003,13 +983,16 @@ def _student_state(model) -> Dict[str, torch.Tensor]:
 
 def save_student(model: nn.Module, out_dir: str) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
-    Written to a temporary directory beside out_dir, then renamed into place."""
+    Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
+    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
     from safetensors.torch import save_file
+
+    from . import _fsutil
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
-    tmp = _atomic_dir(out_dir)
-    try:
+    with _fsutil.atomic_dir(out_dir, replace=True, kinds=("student",), what="save_student") as tmp:
+        tmp = str(tmp)
         model.config.save_pretrained(tmp)
         state = _student_state(model)
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "producer": "qatfactory"})
@@ -1017,35 +1000,42 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
                        "model_class": type(model).__name__}, f, indent=2)
-        _commit_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
 def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Rebuild a saved student: from_config (never remote code), prepare with the saved
-    QuantConfig, then load weights and quantizer state through safetensors."""
-    from safetensors.torch import load_file
+    QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
+    named in the error (exitcodes.CorruptFileError, exit code 4)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ._fsutil import load_safetensors
+    from .exitcodes import CorruptFileError
     qpath = os.path.join(path, QUANT_FILE)
     if not os.path.isfile(qpath):
         raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")
-    with open(qpath) as f:
-        meta = json.load(f)
-    cfg = QuantConfig.from_dict(meta["quant_config"])
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        with open(qpath) as f:
+            meta = json.load(f)
+        qc = meta["quant_config"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"load_student: {qpath} is not a valid record ({type(e).__name__}: {e})") from None
+    cfg = QuantConfig.from_dict(qc)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"load_student: {os.path.join(path, 'config.json')} cannot be read "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     dt = dtype or getattr(torch, meta.get("dtype", "float32"))
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dt)
     prepare(model, cfg)
-    state = load_file(os.path.join(path, "model.safetensors"))
+    state = load_safetensors(os.path.join(path, "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(_student_tied_keys(model))
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
-                         f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
+        raise CorruptFileError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
+                               f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
     return model
 
 
