@@ -94,6 +94,10 @@ class QuantConfig:
     * ``scale_strategy``: dynamic | frozen | learnable; ``calib_method``: max | mse | four_over_six.
     * ``share_fused_scales``: q/k/v, gate/up and per-expert gate/up share one per-tensor scale,
       as vLLM/SGLang fuse them at load.
+    * ``min_coverage``: the smallest fraction of the Linear-like parameters asked for (targeted and
+      not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
+      that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
+      ``convert`` refuse (CoverageError); between it and 100% ``prepare`` warns.
     """
 
     weight_format: str = "nvfp4"
@@ -108,6 +112,7 @@ class QuantConfig:
     share_fused_scales: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     name: str = ""
+    min_coverage: float = 0.5
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -120,6 +125,10 @@ class QuantConfig:
         _check_choice("QuantConfig.scale_strategy", self.scale_strategy, SCALE_STRATEGIES)
         _check_choice("QuantConfig.calib_method", self.calib_method, CALIB_METHODS)
         _check_choice("QuantConfig.ste", self.ste, STE_MODES)
+        if isinstance(self.min_coverage, bool) or not isinstance(self.min_coverage, (int, float)) or \
+                not 0.0 <= float(self.min_coverage) <= 1.0:
+            raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
+                             f"fraction of the Linear-like parameters asked for that must be quantized)")
         if not isinstance(self.lora.rank, int) or self.lora.rank < 0:
             raise ValueError(f"QuantConfig.lora.rank={self.lora.rank!r}; allowed: an int >= 0 (0 = LoRA off)")
         if self.lora.rank and not self.lora.alpha > 0:
@@ -316,6 +325,12 @@ def _tied_lm_head(model, lm_name) -> bool:
     return emb is not None and getattr(lm, "weight", None) is getattr(emb, "weight", None)
 
 
+def _is_conv1d(m) -> bool:
+    """transformers' Conv1D (GPT-2 and relatives): a Linear with a transposed [in, out] weight."""
+    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and \
+        getattr(getattr(m, "weight", None), "ndim", 0) == 2
+
+
 def _linear_like(model):
     """(name, module, kind) for every nn.Linear and fused-experts module, in model order."""
     out = []
@@ -324,6 +339,8 @@ def _linear_like(model):
             continue
         if isinstance(m, (nn.Linear, QuantLinear)):
             out.append((n, m, "linear"))
+        elif _is_conv1d(m):
+            out.append((n, m, "unsupported_conv1d"))
         elif is_fused_experts(m):
             out.append((n, m, "experts"))
         else:
@@ -391,7 +408,7 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
 
     plan = {}
     for name, mod, kind in cands:
-        if kind == "unsupported_3d" or _exclusion(cfg, name, lm_name, tied) is not None:
+        if kind.startswith("unsupported") or _exclusion(cfg, name, lm_name, tied) is not None:
             continue
         if not any(match(p, name) for p in cfg.targets):
             continue
@@ -434,10 +451,17 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
             _add_lora(model, cfg)
         _init_scale_state(model, "max")
         model._qf_config = cfg
-        coverage(model).raise_if_errors()
+        rep = coverage(model).raise_if_errors()
     except BaseException:
         _undo_prepare(model, undo, grads)
         raise
+    t = rep.totals
+    if t["asked_params"] and t["asked_fraction"] < 1.0:
+        import warnings
+        warnings.warn(f"prepare: {100 * t['asked_fraction']:.1f}% of the {t['asked_params']:,} Linear-like "
+                      f"parameters asked for are quantized; kept as they are: "
+                      f"{', '.join(t['not_quantized'][:4])}{' ...' if len(t['not_quantized']) > 4 else ''} "
+                      f"(see coverage(model).table())", stacklevel=2)
     return model
 
 
@@ -672,7 +696,7 @@ class CoverageRow:
     numel: int
     format: str          # format name, or the dtype for tensors kept as they are
     bits: float          # storage bits of the whole tensor as shipped
-    status: str          # quantized | excluded | dense | tied | adapter | quantizer | MISSING
+    status: str          # quantized | excluded | kept (a policy's f16) | dense | tied | adapter | quantizer | MISSING
     note: str = ""
 
 
@@ -753,15 +777,26 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                         numel * fmt.spec.bits_per_weight + 32 * n_glob, "quantized", note))
                 continue
             linear_like = (isinstance(m, nn.Linear) and pn == "weight") or p.ndim == 3
+            if _is_conv1d(m) and pn == "weight":
+                why = _exclusion(cfg, n, lm_name, tied)
+                if why is None and any(match(t, n) for t in cfg.targets):
+                    errors.append(f"{full} {tuple(p.shape)} is a transformers Conv1D (GPT-2 style) weight, which "
+                                  f"qatfactory does not quantize; add it to QuantConfig.exclude to keep it as it is")
+                    rows.append(CoverageRow(full, list(p.shape), p.numel(), str(p.dtype).replace("torch.", ""),
+                                            p.numel() * _dtype_bits(p), "MISSING", "Conv1D is not supported"))
+                    continue
+                linear_like = True
             status, note = "dense", ""
             if linear_like:
                 why = _exclusion(cfg, n, lm_name, tied)
+                policy = False
                 if why is None and isinstance(m, nn.Linear) and cfg.resolve(n)[0] in POLICY_TARGETS and \
                         _resolve_format(cfg, cfg.resolve(n)[0], full, tuple(p.shape),
                                         getattr(model, "config", None)) is None:
                     why = f"the {cfg.resolve(n)[0]} policy keeps rows of length {p.shape[-1]} in f16"
+                    policy = True
                 if why is not None:
-                    status, note = "excluded", why
+                    status, note = ("kept" if policy else "excluded"), why
                 elif any(match(t, n) for t in cfg.targets):
                     status = "MISSING"
                     errors.append(f"{full} {tuple(p.shape)} is matched by targets but was not quantized")
@@ -775,6 +810,19 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                     numel * _dtype_bits(p), status, note))
     shipped = [r for r in rows if r.status not in ("adapter", "quantizer", "tied")]
     q = [r for r in shipped if r.status == "quantized"]
+    # asked for: Linear-like weights that the config targets and does not exclude (a policy's f16
+    # rows and unsupported layers count as asked for and not delivered)
+    asked = [r for r in shipped if r.status in ("quantized", "kept", "MISSING")]
+    n_asked = sum(r.numel for r in asked)
+    frac = (sum(r.numel for r in q) / n_asked) if n_asked else 1.0
+    min_cov = float(getattr(cfg, "min_coverage", 0.0) or 0.0)
+    if n_asked and frac < min_cov:
+        kept = [r for r in asked if r.status != "quantized"]
+        why = sorted({r.note for r in kept if r.note})
+        errors.append(f"{100 * frac:.1f}% of the {n_asked:,} Linear-like parameters asked for are quantized, below "
+                      f"QuantConfig.min_coverage={min_cov:g} (kept as they are: {', '.join(r.name for r in kept[:3])}"
+                      f"{' ...' if len(kept) > 3 else ''}; {'; '.join(why[:2])}). Pick a format whose block size "
+                      f"divides the rows, add a rule, or lower min_coverage to accept it")
     n_all = sum(r.numel for r in shipped)
     n_q = sum(r.numel for r in q)
     by_fmt: Dict[str, int] = {}
@@ -790,6 +838,9 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
         "by_format": by_fmt,
         "excluded": [r.name for r in shipped if r.status == "excluded"],
         "missing": [r.name for r in rows if r.status == "MISSING"],
+        "asked_params": n_asked,
+        "asked_fraction": frac,
+        "not_quantized": [r.name for r in asked if r.status != "quantized"],
     }
     return CoverageReport(rows, totals, errors)
 
@@ -1018,6 +1069,9 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
         with open(qpath) as f:
             meta = json.load(f)
         qc = meta["quant_config"]
+        if qc is None and meta.get("plain"):
+            raise FileNotFoundError(f"load_student: {path} holds a plain (unquantized) model from a format=bf16 "
+                                    f"run; load it with transformers' from_pretrained")
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptFileError(f"load_student: {qpath} is not a valid record ({type(e).__name__}: {e})") from None
     cfg = QuantConfig.from_dict(qc)
