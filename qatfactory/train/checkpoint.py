@@ -150,6 +150,23 @@ def safe_torch_load(path, map_location=None):
         raise
 
 
+def scan(ckpt: Path) -> None:
+    """Refuse, before anything is built or written, a checkpoint whose DeepSpeed files would import
+    anything but DeepSpeed's own state classes (read from the pickle's opcodes; nothing is run).
+    The loader (:func:`safe_torch_load`) refuses the same files again when it reads them."""
+    for f in sorted((Path(ckpt) / DS_TAG).glob("*.pt")):
+        try:
+            found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f)) if g not in DS_SAFE_GLOBALS]
+        except Exception as e:  # noqa: BLE001 - not a torch file at all
+            raise CorruptFileError(f"{f}: not a readable torch checkpoint file ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+        if found:
+            raise UnsafeFileError(
+                f"{f}: refused to load: it would import {found[:4]}, which is neither a tensor nor part of "
+                f"DeepSpeed's checkpoint state (allowed: {list(DS_SAFE_GLOBALS)}). Unpickling it could run "
+                f"code; a checkpoint is loaded only when it holds tensors and plain data")
+
+
 def make_safe(engine) -> None:
     """Give the DeepSpeed engine a checkpoint engine whose load is :func:`safe_torch_load`."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine

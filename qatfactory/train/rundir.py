@@ -146,6 +146,7 @@ def _decide(cfg: RunConfig, world: int, eval_only: bool) -> Dict[str, Any]:
     kind = _fsutil.kind_of(d)
     if eval_only:
         resume_from = ckpt.find_resume(cfg.resume, d)
+        ckpt.scan(resume_from)
         check_resume(ckpt.read_state(resume_from), cfg, world, str(resume_from), warn=False)
         return {"run_dir": str(d), "resume_from": str(resume_from), "fresh": False, "restart": False}
     if kind == "run" or (kind is None and d.is_dir() and _legacy_run(d)):
@@ -162,6 +163,7 @@ def _decide(cfg: RunConfig, world: int, eval_only: bool) -> Dict[str, Any]:
     resume_from = ckpt.find_resume(cfg.resume, d)
     restart = False
     if resume_from is not None:
+        ckpt.scan(resume_from)
         check_resume(ckpt.read_state(resume_from), cfg, world, str(resume_from))
     elif kind == "run" or kind is None:
         # resume=auto in a run that never wrote a checkpoint: the same run starts over
