@@ -379,3 +379,24 @@ def test_kill9_during_a_checkpoint_save_then_resume_is_bit_exact(done_run, tmp_p
     a = load_file(str(done_run / "checkpoints" / "step-000004" / "rng-rank0.safetensors"))
     b = load_file(str(ck / "step-000004" / "rng-rank0.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_teacher_cache_reads_only_its_own_shards(tmp_path):
+    from safetensors.torch import save_file
+
+    from qatfactory.distill.teachers import CachedTeacher
+    outside = tmp_path / "outside.safetensors"
+    save_file({"sample_ids": torch.arange(2), "logprobs": torch.zeros(2, 4, 2), "indices": torch.zeros(2, 4, 2,
+                                                                                                   dtype=torch.int32)},
+              str(outside))
+    c = tmp_path / "cache"
+    c.mkdir()
+    (c / "meta.json").write_text(json.dumps({"fingerprint": "x", "seq_len": 4, "k": 2, "n_samples": 2,
+                                             "shards": ["../outside.safetensors"]}))
+    with pytest.raises(ValueError, match=r"shard name '../outside.safetensors' is not a shard of this directory"):
+        CachedTeacher(str(c))
+    (c / "meta.json").write_text(json.dumps({"fingerprint": "x", "seq_len": 4, "k": 2, "n_samples": 2,
+                                             "shards": ["shard-00000.safetensors"]}))
+    (c / "shard-00000.safetensors").write_bytes(b"\x00" * 5)          # truncated: named
+    with pytest.raises(ValueError, match="shard-00000.safetensors: not a readable safetensors file"):
+        CachedTeacher(str(c))
