@@ -203,20 +203,23 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:
+    from . import exitcodes as X
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        print(f"qatfactory {what}: {module} is not available in this installation ({e})", file=sys.stderr)
-        return 2
+        print(f"qatfactory {what}: BAD_INPUT: {module} is not available in this installation ({e})", file=sys.stderr)
+        return X.BAD_INPUT
     rc = mod.main(argv)
     return int(rc or 0)
 
 
 def bench_main(argv: List[str]) -> int:
+    from . import exitcodes as X
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
     if not script.exists():
-        print(f"qatfactory bench: {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
-        return 2
+        print(f"qatfactory bench: BAD_INPUT: {script} not found (benchmarks ship with the source tree)",
+              file=sys.stderr)
+        return X.BAD_INPUT
     import runpy
     sys.argv = [str(script)] + list(argv)
     runpy.run_path(str(script), run_name="__main__")
@@ -234,14 +237,16 @@ COMMANDS = {
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit codes: qatfactory.exitcodes (README, reliability)."""
+    from . import exitcodes as X
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return X.OK if argv else X.USAGE
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"qatfactory: unknown command {cmd!r}; allowed: {sorted(COMMANDS)}", file=sys.stderr)
-        return 2
+        print(f"qatfactory: USAGE: unknown command {cmd!r}; allowed: {sorted(COMMANDS)}", file=sys.stderr)
+        return X.USAGE
     return COMMANDS[cmd](rest)
 
 

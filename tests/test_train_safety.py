@@ -400,3 +400,13 @@ def test_teacher_cache_reads_only_its_own_shards(tmp_path):
     (c / "shard-00000.safetensors").write_bytes(b"\x00" * 5)          # truncated: named
     with pytest.raises(ValueError, match="shard-00000.safetensors: not a readable safetensors file"):
         CachedTeacher(str(c))
+
+
+def test_temporary_files_left_in_the_run_directory_are_removed(done_run, tmp_path, capsys):
+    d = _copy(done_run, tmp_path / "run")
+    for n in (".config.yaml.ab12cd34.tmp", "metrics.tmp", ".summary.json.zz99yy88.tmp"):
+        (d / n).write_text("half")
+    (d / "notes.tmp").write_text("a user's file with a similar name: kept")
+    rc, err = _train(capsys, *Q, f"run_dir={d}", "resume=auto", "train.max_steps=4")
+    assert rc == 0 and err.count("left by an interrupted write") == 3
+    assert sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")) == ["notes.tmp"]

@@ -16,6 +16,7 @@ Rank 0 decides and writes; every rank gets the same answer (or the same error).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -192,10 +193,24 @@ def _read_record(d: Path) -> Dict[str, Any]:
         return {}
 
 
+_TMP_FILE = re.compile(r"^\.(config\.yaml|config\.resume-step-\d+\.yaml|qatfactory_run\.json|summary\.json|"
+                       r"eval-step-\d+\.json)\.[A-Za-z0-9_]{8}\.tmp$|^metrics\.tmp$")
+
+
+def _tidy_files(d: Path) -> None:
+    """Temporary files of ours that a kill left in the run directory (write_text_atomic, the
+    metrics rewrite): removed and named."""
+    for p in sorted(d.iterdir()) if d.is_dir() else []:
+        if _TMP_FILE.match(p.name) and p.is_file() and not p.is_symlink():
+            p.unlink()
+            _say(f"removed {p} (left by an interrupted write)")
+
+
 def _write(d: Path, cfg: RunConfig, world: int, decision: Dict[str, Any]) -> None:
     """Rank 0: the record, config.yaml (never overwritten by a resume with other settings)."""
     from omegaconf import OmegaConf
     d.mkdir(parents=True, exist_ok=True)
+    _tidy_files(d)
     now = to_dict(cfg)
     if not (d / RUN_RECORD).is_file():
         _fsutil.write_text_atomic(d / RUN_RECORD, json.dumps(
