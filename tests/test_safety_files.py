@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_exporters_helpers import VOCAB, build_tokenizer, tiny_config
+from test_exporters_helpers import build_tokenizer, tiny_config
 
 from qatfactory import _fsutil
 from qatfactory.cli_export import load_converted, main

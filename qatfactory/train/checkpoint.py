@@ -22,7 +22,6 @@ the file and what it would have imported. The RNG files are safetensors.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
