@@ -125,8 +125,9 @@ def test_resume_with_other_numerics_is_refused_by_field(done_run, tmp_path, caps
     assert _tree(d) == before
     # other data / seed: goes on with a warning, and config.yaml keeps the original run's settings
     cy = (d / "config.yaml").read_text()
-    rc, err = _train(capsys, *Q, f"run_dir={d}", "resume=auto", "train.max_steps=5", "train.seed=7")
-    assert rc == 0 and "train.seed: 0 -> 7" in err
+    rc, err = _train(capsys, *Q, f"run_dir={d}", "resume=auto", "train.max_steps=5", "train.seed=7",
+                     "data.synthetic=20")
+    assert rc == 0 and "train.seed: 0 -> 7" in err and "data.synthetic: 16 -> 20" in err
     assert (d / "config.yaml").read_text() == cy
     assert "seed: 7" in (d / "config.resume-step-000004.yaml").read_text()
 

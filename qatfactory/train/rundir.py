@@ -97,12 +97,14 @@ def compare(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[s
     return refused, warned
 
 
-def check_resume(saved: Dict[str, Any], cfg: RunConfig, world: int, where: str, warn: bool = True) -> None:
+def check_resume(saved: Dict[str, Any], cfg: RunConfig, world: int, where: str, warn: bool = True,
+                 same_world: bool = True) -> None:
     """Refuse a resume whose numerics differ from the checkpoint's (trainer_state.json), naming each
-    field; warn on data / seed / device changes."""
+    field; warn on data / seed / device changes. ``same_world``: the rank count must match too (a
+    training resume; an evaluation reads only the module state)."""
     refused, warned = compare(saved.get("config") or {}, to_dict(cfg))
     sw = saved.get("world_size", world)
-    if isinstance(sw, int) and sw != world:
+    if same_world and isinstance(sw, int) and sw != world:
         refused.append(f"world_size: {sw} -> {world} (ranks)")
     if refused:
         raise ResumeMismatchError(
@@ -148,7 +150,7 @@ def _decide(cfg: RunConfig, world: int, eval_only: bool) -> Dict[str, Any]:
     if eval_only:
         resume_from = ckpt.find_resume(cfg.resume, d)
         ckpt.scan(resume_from)
-        check_resume(ckpt.read_state(resume_from), cfg, world, str(resume_from), warn=False)
+        check_resume(ckpt.read_state(resume_from), cfg, world, str(resume_from), warn=False, same_world=False)
         return {"run_dir": str(d), "resume_from": str(resume_from), "fresh": False, "restart": False}
     if kind == "run" or (kind is None and d.is_dir() and _legacy_run(d)):
         if not cfg.resume:
