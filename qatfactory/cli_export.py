@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--flavour", "--flavor", default=None,
                    help="vllm/sglang: modelopt | compressed-tensors (default modelopt); llama_cpp: gguf")
     e.add_argument("--out", required=True, help="output directory (written atomically)")
-    e.add_argument("--force", action="store_true", help="replace an existing output directory")
+    e.add_argument("--force", action="store_true",
+                   help="replace an earlier export of ours (its qatfactory.json) or an empty directory; never "
+                        "anything else (a user directory, a run, the student itself)")
     e.add_argument("--source-dir", default=None, help="base model dir for tokenizer/generation config/chat template")
     e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
