@@ -405,7 +405,6 @@ def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float]
     forward."""
     f = fwd_s * s.micro_batch / eval_batch
     out: Dict[str, float] = {}
-    last_threads = comp["threads"]
     for i, key in enumerate(s.targets):
         live = TARGETS[key].teacher == "live"
         fq = fq_s[key]
