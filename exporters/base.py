@@ -7,11 +7,13 @@ student was trained, only on what ``convert()`` handed over.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
-import tempfile
+import stat
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from qatfactory import _fsutil as _fs
+from qatfactory._fsutil import check_replaceable
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format
 
 QATFACTORY_JSON = "qatfactory.json"
@@ -92,21 +96,27 @@ def export(converted: ConvertedModel, out_dir, engine: str = "vllm", flavour: Op
     """Write ``converted`` for ``engine`` into ``out_dir`` atomically.
 
     engine: one of :func:`list_exporters` (vllm, sglang, llama_cpp); flavour: the exporter's
-    container variant (vllm/sglang: ``modelopt`` | ``compressed-tensors``; llama_cpp: ``gguf``).
-    An existing ``out_dir`` is replaced only with ``force=True``; a failure leaves no
-    ``out_dir`` behind (and an old one untouched)."""
+    container variant (vllm/sglang: ``modelopt`` | ``compressed-tensors``; llama_cpp: ``gguf``);
+    options: the exporter's own (:func:`exporter_options`; an unknown name or a bad value is refused).
+    An existing ``out_dir`` is replaced only with ``force=True`` and only when it is empty or an
+    earlier qatfactory export (its ``qatfactory.json``); never a directory that is or contains the
+    model's ``source_dir``. A failure leaves no ``out_dir`` behind (and an old one untouched)."""
     if engine not in EXPORTERS:
         raise ValueError(f"export: engine={engine!r}; allowed: {list_exporters()}")
     if not isinstance(converted, ConvertedModel):
         raise TypeError(f"export: expected a qatfactory.formats.ConvertedModel, got {type(converted).__name__}")
     exporter = EXPORTERS[engine]()
     flavour = exporter.resolve_flavour(flavour)
+    check_options(engine, options)
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
+    protect = [converted.source_dir] if converted.source_dir else []
+    # refuse before any work: an existing directory that is not ours, or no force
+    check_replaceable(out_dir, ("export",), "export", protect)
+    if (out_dir.exists() or out_dir.is_symlink()) and not force:
         raise FileExistsError(f"export: {out_dir} already exists; pass force=True (CLI: --force) to replace it")
     exporter.check(converted, flavour, **options)
     t0 = time.time()
-    with atomic_dir(out_dir, force=force) as tmp:
+    with atomic_dir(out_dir, force=force, protect=protect) as tmp:
         files, extra = exporter.write(converted, tmp, flavour, **options)
         record = build_record(converted, engine, flavour, extra)
         record["export_seconds"] = round(time.time() - t0, 3)
@@ -115,33 +125,53 @@ def export(converted: ConvertedModel, out_dir, engine: str = "vllm", flavour: Op
     return ExportResult(out_dir, engine, flavour, files, record)
 
 
+def exporter_options(engine: str) -> Dict[str, Any]:
+    """The options ``export(..., engine=engine, **options)`` accepts, with their defaults (the
+    keyword parameters of the exporter's ``write``)."""
+    if engine not in EXPORTERS:
+        raise ValueError(f"export: engine={engine!r}; allowed: {list_exporters()}")
+    sig = inspect.signature(EXPORTERS[engine].write)
+    return {n: p.default for n, p in sig.parameters.items()
+            if n not in ("self", "converted", "out", "flavour")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_options(engine: str, options: Dict[str, Any]) -> None:
+    """Refuse an option the exporter does not take, or a value of the wrong type or range."""
+    known = exporter_options(engine)
+    bad = sorted(set(options) - set(known))
+    if bad:
+        raise ValueError(f"export: unknown option(s) {bad} for engine {engine!r}; allowed: "
+                         f"{ {k: v for k, v in known.items()} }")
+    for k, v in options.items():
+        d = known[k]
+        if isinstance(d, bool) or isinstance(v, bool):
+            ok = isinstance(v, bool) and isinstance(d, bool)
+        elif isinstance(d, int):
+            ok = isinstance(v, int)
+        elif isinstance(d, str):
+            ok = isinstance(v, str)
+        else:
+            ok = v is None or isinstance(v, str)
+        if not ok:
+            raise ValueError(f"export: option {k}={v!r} has the wrong type; allowed: a "
+                             f"{type(d).__name__ if d is not None else 'str or None'} (default {d!r})")
+    if "max_shard_bytes" in options and options["max_shard_bytes"] < 1:
+        raise ValueError(f"export: max_shard_bytes={options['max_shard_bytes']!r}; allowed: an int >= 1 (bytes per "
+                         f"safetensors shard)")
+    if "dense_dtype" in options and options["dense_dtype"] not in ("auto", "f32", "f16", "bf16"):
+        raise ValueError(f"export: dense_dtype={options['dense_dtype']!r}; allowed: 'auto', 'f32', 'f16', 'bf16'")
+
+
 # ------------------------------------------------------------------------------ atomic output
 @contextmanager
-def atomic_dir(target: Path, force: bool = False):
+def atomic_dir(target: Path, force: bool = False, protect: Iterable = ()):
     """Yield an empty temporary directory beside ``target``; on success swap it in with
-    rename (same filesystem, so the finished export appears at once); on error delete it."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    rename (same filesystem, so the finished export appears at once); on error delete it.
+    An existing target is replaced only with ``force`` and only when it is empty or an export of
+    ours (``qatfactory._fsutil``: the one implementation every writer shares)."""
+    with _fs.atomic_dir(target, replace=force, kinds=("export",), what="export", protect=protect) as tmp:
         yield tmp
-        if target.exists():
-            if not force:
-                raise FileExistsError(f"{target} appeared while exporting; not overwriting it without force")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rmdir(old)
-            os.rename(target, old)
-            try:
-                os.rename(tmp, target)
-            except BaseException:
-                os.rename(old, target)  # put the previous export back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -365,13 +395,21 @@ def read_record(export_dir) -> Dict[str, Any]:
 
 # ------------------------------------------------------------------------------ files
 def copy_source_files(source_dir: Optional[str], out: Path) -> List[str]:
+    """Copy the tokenizer / generation config / chat template files of ``source_dir`` into ``out``.
+    Regular files only: a symbolic link (whatever it points at) or a special file is skipped with a
+    warning, never followed."""
     if not source_dir:
         return []
     src = Path(source_dir)
     copied = []
     for name in SOURCE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
+        p = src / name
+        if p.is_symlink() or (p.exists() and not stat.S_ISREG(os.lstat(p).st_mode)):
+            warnings.warn(f"export: {p} is not a regular file (a symbolic link or a special file); not copied. "
+                          f"Replace it with a copy of the file itself to ship it", stacklevel=2)
+            continue
+        if p.is_file():
+            shutil.copyfile(p, out / name, follow_symlinks=False)
             copied.append(name)
     return copied
 

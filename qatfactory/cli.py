@@ -38,7 +38,43 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
     return out
 
 
+_FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _run_error_code(e: BaseException) -> int:
+    """The exit code of an error raised inside a run: the exception's own (exitcodes), bad files
+    and refused models -> BAD_INPUT, anything else -> RUN_FAILED."""
+    from . import exitcodes as X
+    if getattr(e, "exit_code", None) is not None or isinstance(e, KeyboardInterrupt):
+        return X.code_for(e)
+    from .quantize import CoverageError
+    if isinstance(e, _FILE_ERRORS + (CoverageError,)):
+        return X.BAD_INPUT
+    return X.RUN_FAILED
+
+
+def _fail(prog: str, e: BaseException, code: int) -> int:
+    """One line on stderr (every rank that failed; the rank named when there are several)."""
+    from . import exitcodes as X
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        prog = f"{prog} [rank {dist.get_rank()}]"
+    e.exit_code = code if getattr(e, "exit_code", None) is None else e.exit_code
+    return X.report(prog, e, code)
+
+
+def _gate_code(summary) -> int:
+    from . import exitcodes as X
+    v = (summary or {}).get("verify")
+    if not v or v.get("verdict") == "PASS":
+        return X.OK
+    return X.INCOMPLETE if v.get("verdict") == "INCOMPLETE" else X.FAIL
+
+
 def train_main(argv: List[str]) -> int:
+    """Exit codes (qatfactory.exitcodes): 0 done (and the export's gate PASSed), 1 the gate FAILed,
+    2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
+    from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
     if any(a in ("-h", "--help") for a in argv):
         from .train.config import recipes_dir
@@ -49,13 +85,28 @@ def train_main(argv: List[str]) -> int:
         return 0
     bad = [a for a in argv if a.startswith("-")]
     if bad:
-        print(f"qatfactory train: unknown option(s) {bad}; overrides are key=value (see --help)", file=sys.stderr)
-        return 2
-    from .train.config import compose
-    from .train.engine import run
-    s = run(compose(argv))
+        print(f"qatfactory train: USAGE: unknown option(s) {bad}; overrides are key=value (see --help)",
+              file=sys.stderr)
+        return X.USAGE
+    try:
+        from .train.config import compose
+        cfg = compose(argv)
+    except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
+        return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
+    try:
+        from .train.engine import run
+        s = run(cfg)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, SystemExit):
+            raise
+        return _fail("qatfactory train", e, _run_error_code(e))
     _shutdown(s.get("engine"))
-    return 0
+    code = _gate_code(s)
+    if code != X.OK:
+        v = s["verify"]
+        print(f"qatfactory train: {'FAIL' if code == X.FAIL else 'INCOMPLETE'}: the parity gate said {v['verdict']} "
+              f"on the export; moved to {s.get('export_dir')} (FAILED.json says why)", file=sys.stderr)
+    return code
 
 
 def _shutdown(engine) -> None:
@@ -64,53 +115,111 @@ def _shutdown(engine) -> None:
     import torch.distributed as dist
     if engine is not None and hasattr(engine, "destroy"):
         engine.destroy()
-    if dist.is_available() and dist.is_initialized():
+    # one process keeps its group: a later run in the same interpreter (tests, notebooks) reuses it
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
 def eval_main(argv: List[str]) -> int:
+    """``qatfactory eval --checkpoint RUN/checkpoints/step-N [--out DIR] [key=value ...]``: restore the
+    checkpoint and evaluate it. The result goes to ``--out`` or to the run directory that holds the
+    checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
+    from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
     if not argv or argv[0] in ("-h", "--help") or "--checkpoint" not in argv:
-        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [key=value ...]")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    i = argv.index("--checkpoint")
-    if i + 1 >= len(argv):
-        print("qatfactory eval: --checkpoint needs a directory", file=sys.stderr)
-        return 2
-    path = Path(argv[i + 1])
-    rest = argv[:i] + argv[i + 2:]
-    import json
+        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]")
+        return 0 if argv and argv[0] in ("-h", "--help") else X.USAGE
+    opts = {}
+    rest = []
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a in ("--checkpoint", "--out"):
+            if i + 1 >= len(argv):
+                print(f"qatfactory eval: USAGE: {a} needs a directory", file=sys.stderr)
+                return X.USAGE
+            opts[a] = argv[i + 1]
+            next(it, None)
+        elif a.startswith("-"):
+            print(f"qatfactory eval: USAGE: unknown option {a!r}; allowed: --checkpoint, --out, key=value",
+                  file=sys.stderr)
+            return X.USAGE
+        else:
+            rest.append(a)
+    path = Path(opts["--checkpoint"])
+    try:
+        cfg = _eval_config(path, opts.get("--out"), rest)
+    except BaseException as e:  # noqa: BLE001
+        return X.report("qatfactory eval", e, _run_error_code(e))
+    try:
+        from .train.engine import run
+        s = run(cfg, eval_only=True)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, SystemExit):
+            raise
+        return _fail("qatfactory eval", e, _run_error_code(e))
+    _shutdown(s.get("engine"))
+    return X.OK
+
+
+def _eval_config(path: Path, out: Optional[str], rest: List[str]):
+    """The RunConfig to evaluate ``path``: the checkpoint's own settings (trainer_state.json), the
+    command-line overrides on top, run_dir from --out or the checkpoint's location. The input paths
+    the settings name (model, data, teacher) are read only and printed; nothing is written there."""
     from omegaconf import OmegaConf
+
+    from .exitcodes import BadInputError, UsageError
+    from .train import checkpoint as ckpt
     from .train.config import RunConfig, validate
-    from .train.engine import run
-    state_p = path / "trainer_state.json"
-    if not state_p.exists():
-        print(f"qatfactory eval: {state_p} not found", file=sys.stderr)
-        return 2
-    d = json.loads(state_p.read_text())["config"]
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
-    cfg = validate(OmegaConf.to_object(node))
+    why = ckpt.incomplete(path) if path.is_dir() else f"{path} is not a directory"
+    if why is not None:
+        raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
+    d = ckpt.read_state(path)["config"]
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
+        cfg = validate(OmegaConf.to_object(node))
+    except ValueError as e:
+        raise UsageError(f"qatfactory eval: {e}") from None
+    except Exception as e:  # noqa: BLE001 - OmegaConf's multi-line errors
+        raise UsageError(f"qatfactory eval: the checkpoint's settings with {rest}: {str(e).splitlines()[0]}") from None
+    if out is None:
+        if path.parent.name != "checkpoints":
+            raise UsageError(f"--checkpoint {path} is not inside a <run>/checkpoints/ directory; give --out DIR for "
+                             f"the result")
+        out = str(path.parent.parent)
+    cfg.run_dir = out
     cfg.resume = str(path)
-    run(cfg, eval_only=True)
-    return 0
+    cfg.export.enabled = False
+    cfg.export.out_dir = None
+    reads = {k: v for k, v in (("model.path", cfg.model.path), ("method.teacher_path", cfg.method.teacher_path),
+                               ("method.teacher_cache", cfg.method.teacher_cache),
+                               ("data.train", list(cfg.data.train) or None), ("data.eval", list(cfg.data.eval) or None))
+             if v}
+    if reads:
+        print(f"[qatfactory] eval: reading (never writing) {reads} as the checkpoint's settings say; override "
+              f"them with key=value", file=sys.stderr, flush=True)
+    return cfg
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:
+    from . import exitcodes as X
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        print(f"qatfactory {what}: {module} is not available in this installation ({e})", file=sys.stderr)
-        return 2
+        print(f"qatfactory {what}: BAD_INPUT: {module} is not available in this installation ({e})", file=sys.stderr)
+        return X.BAD_INPUT
     rc = mod.main(argv)
     return int(rc or 0)
 
 
 def bench_main(argv: List[str]) -> int:
+    from . import exitcodes as X
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
     if not script.exists():
-        print(f"qatfactory bench: {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
-        return 2
+        print(f"qatfactory bench: BAD_INPUT: {script} not found (benchmarks ship with the source tree)",
+              file=sys.stderr)
+        return X.BAD_INPUT
     import runpy
     sys.argv = [str(script)] + list(argv)
     runpy.run_path(str(script), run_name="__main__")
@@ -128,14 +237,16 @@ COMMANDS = {
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit codes: qatfactory.exitcodes (README, reliability)."""
+    from . import exitcodes as X
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return X.OK if argv else X.USAGE
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"qatfactory: unknown command {cmd!r}; allowed: {sorted(COMMANDS)}", file=sys.stderr)
-        return 2
+        print(f"qatfactory: USAGE: unknown command {cmd!r}; allowed: {sorted(COMMANDS)}", file=sys.stderr)
+        return X.USAGE
     return COMMANDS[cmd](rest)
 
 

@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--flavour", "--flavor", default=None,
                    help="vllm/sglang: modelopt | compressed-tensors (default modelopt); llama_cpp: gguf")
     e.add_argument("--out", required=True, help="output directory (written atomically)")
-    e.add_argument("--force", action="store_true", help="replace an existing output directory")
+    e.add_argument("--force", action="store_true",
+                   help="replace an earlier export of ours (its qatfactory.json) or an empty directory; never "
+                        "anything else (a user directory, a run, the student itself)")
     e.add_argument("--source-dir", default=None, help="base model dir for tokenizer/generation config/chat template")
     e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
@@ -72,20 +74,33 @@ def _print_result(res, quiet: bool) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Exit codes: 0 success / parity PASS, 1 parity FAIL, 2 refused (bad input, existing output,
-    a combination the engine cannot load), with the reason on stderr."""
-    args = _parser().parse_args(argv)
+    """Exit codes (qatfactory.exitcodes): 0 success / parity PASS, 1 parity FAIL, 2 INCOMPLETE,
+    3 a bad command line, 4 refused input (missing or damaged files, an output that is not ours to
+    replace, a combination the engine cannot load), 5 anything else; the reason on stderr, one line."""
+    from qatfactory import exitcodes as X
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:      # argparse: --help exits 0, a bad command line 2 -> USAGE
+        return X.OK if e.code in (0, None) else X.USAGE
     try:
         return _run(args)
-    except (FileExistsError, FileNotFoundError, NotImplementedError, ValueError) as e:
-        print(f"qatfactory {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as e:
+        return X.report(f"qatfactory {args.cmd}", e)
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+            NotImplementedError, ValueError, TypeError, KeyError) as e:
+        return X.report(f"qatfactory {args.cmd}", e, X.BAD_INPUT)
+    except Exception as e:  # noqa: BLE001 - one line and an exit code, never an uncaught traceback
+        return X.report(f"qatfactory {args.cmd}", e, X.RUN_FAILED)
 
 
 def _run(args) -> int:
     from qatfactory.exporters import export, verify
 
     if args.cmd == "export":
+        from qatfactory._fsutil import check_replaceable
+        # refused before the student is even loaded: an output that is not ours, or that is (or
+        # holds) the student the export is made from
+        check_replaceable(args.out, ("export",), "export", [args.student, args.source_dir])
         cm = load_converted(args.student, args.source_dir)
         opts = {}
         if args.engine == "llama_cpp":

@@ -73,6 +73,7 @@ class Settings:
     topk: int = 64
     seed: int = 0
     targets: List[str] = field(default_factory=lambda: list(TARGETS))
+    dtype: str = "auto"      # compute dtype: auto (bf16 only where this CPU is fast at it) | bfloat16 | float32
 
 
 QUICK = dict(steps=3, seq_len=64, micro_batch=2, eval_samples=2, calib_samples=2)
@@ -107,6 +108,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="data split and training seed")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when visible (one GPU; for many GPUs use `deepspeed -m qatfactory.train`)")
+    p.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float32"),
+                   help="compute dtype of teacher and students (default auto: bf16 on a GPU or a CPU with fast "
+                        "bf16 such as AVX512_BF16/AMX, measured once; else fp32; env QATFACTORY_DTYPE)")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate (not recommended)")
     return p.parse_args(list(argv))
 
@@ -116,7 +120,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.quick:
         for k, v in QUICK.items():
             setattr(s, k, v)
-    for k in ("steps", "seq_len", "micro_batch", "eval_samples", "calib_samples", "lr", "seed"):
+    for k in ("steps", "seq_len", "micro_batch", "eval_samples", "calib_samples", "lr", "seed", "dtype"):
         v = getattr(args, k)
         if v is not None:
             setattr(s, k, v)
@@ -247,7 +251,7 @@ def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
     """Measured seconds of one unquantized training step of ``model`` on ``micro_batch`` held-out
     samples: forward, the chunked KL loss against the stored teacher outputs, backward and an AdamW
     update with lr 0 (the weights stay bit-identical: AdamW with lr 0 multiplies by 1 and adds 0).
-    What the forward-only figure misses on a CPU: backward in bf16, the loss over the vocabulary,
+    What the forward-only figure misses on a CPU: backward, the loss over the vocabulary,
     the optimizer's pass over every parameter."""
     import torch
     from .distill.losses import LiveTeacherOut, LossConfig
@@ -324,7 +328,8 @@ def _model_fingerprint(model_dir: Path) -> str:
 
 def _overrides(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], run_dir: Path,
                teacher_cache: Path, device: str = "cpu") -> List[str]:
-    o = ["model=local", f"model.path={model_dir}", "model.dtype=bfloat16",
+    dt = s.dtype if s.dtype in ("bfloat16", "float32") else "bfloat16"
+    o = ["model=local", f"model.path={model_dir}", f"model.dtype={dt}",
          f"format={t.preset}", "method=qad" if t.teacher == "live" else "method=qad_cached",
          "train=default", "export=none", "data=files",
          f"data.train=[{data['train']}]", f"data.eval=[{data['eval']}]", f"data.seq_len={s.seq_len}",
@@ -333,7 +338,8 @@ def _overrides(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], ru
          # start/end evaluations (progress only) look at one micro-batch of it
          f"train.eval_samples={min(s.micro_batch, s.eval_samples)}",
          f"train.max_steps={s.steps}", f"train.lr={s.lr * t.lr_scale:g}", "train.schedule=constant", "train.warmup_steps=0",
-         f"train.micro_batch={s.micro_batch}", "train.grad_accum=1", "train.precision=bf16",
+         f"train.micro_batch={s.micro_batch}", "train.grad_accum=1",
+         f"train.precision={'bf16' if dt == 'bfloat16' else 'fp32'}",
          f"train.device={device}", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
          "train.save_student=true", "train.tensorboard=false", f"train.seed={s.seed}",
          f"method.calib_samples={s.calib_samples}", f"run_dir={run_dir}"]
@@ -428,6 +434,17 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu")
     cache = assets.cache_dir()
+    from . import cpu
+    # compute in what this machine does fast: bf16 only where it is not emulated; threads for the
+    # cores other work leaves free (both measured, both in the report)
+    comp = cpu.compute_dtype(device, None if s.dtype == "auto" else s.dtype)
+    s.dtype = comp["dtype"]
+    th = cpu.choose_threads() if device == "cpu" else {"threads": None, "why": "GPU run"}
+    comp["threads"], comp["threads_why"] = th["threads"], th["why"]
+    tdt = getattr(torch, s.dtype)
+    short = {"bfloat16": "bf16", "float32": "fp32"}[s.dtype]
+    _say(f"compute dtype {s.dtype} ({comp['why']}); " + (f"{th['threads']} intra-op thread(s): {th['why']}"
+                                                         if th["threads"] else "GPU"))
     out.mkdir(parents=True, exist_ok=True)
     timings: Dict[str, float] = {}
 
@@ -444,25 +461,25 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     data = prepare_data(tok, s, cache)
     dcfg = DataConfig(train=[data["train"]], eval=[data["eval"]], eval_samples=s.eval_samples, seq_len=s.seq_len)
-    teacher = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
+    teacher = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=tdt).to(device)
     vocab = teacher.get_output_embeddings().weight.shape[0]
     train_s, eval_s = load_data(dcfg, tok, vocab, s.seed)
     if len(eval_s) > s.eval_samples:
         eval_s = eval_s.slice(0, s.eval_samples)
     timings["load"] = time.time() - t0
     n_params = sum(p.numel() for p in teacher.parameters())
-    _say(f"teacher {model_dir} ({n_params / 1e6:.1f}M parameters, bf16); data: {len(train_s)} training + "
+    _say(f"teacher {model_dir} ({n_params / 1e6:.1f}M parameters, {short}); data: {len(train_s)} training + "
          f"{len(eval_s)} held-out samples of {s.seq_len} tokens from {data['articles']} Wikipedia articles "
          f"(seed {s.seed})")
 
     held = HeldOut(eval_s, max(s.micro_batch, 4), device)
-    fwd = held.fill_teacher(teacher, torch.bfloat16)
+    fwd = held.fill_teacher(teacher, tdt)
     n_eval_batches = math.ceil(len(eval_s) / held.mb)
     fq = {k: fake_quant_seconds(teacher, TARGETS[k].preset) for k in s.targets}
     step_s = train_step_seconds(teacher, held, s.micro_batch)
     per_target = _estimate(s, fwd, held.mb, fq, n_eval_batches, step_s)
     est = sum(per_target.values()) + (time.time() - t_start)
-    _say(f"measured here: teacher forward of {held.mb}x{s.seq_len} tokens {fwd:.2f} s; one bf16 training step "
+    _say(f"measured here: teacher forward of {held.mb}x{s.seq_len} tokens {fwd:.2f} s; one {short} training step "
          f"of {s.micro_batch}x{s.seq_len} tokens {step_s:.1f} s; weight fake-quant per forward "
          + ", ".join(f"{k} {v:.1f} s" for k, v in fq.items()))
     _say(f"expected: ~{_fmt_s(est)} for {len(s.targets)} targets x {s.steps} QAD steps ("
@@ -471,26 +488,35 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     if prev is not None:
         _say(f"expected: ~{_fmt_s(prev[0])}, as the last finished run with these settings here ({prev[1]})")
     results: Dict[str, Any] = {"settings": vars(s).copy(), "model_dir": str(model_dir), "model_provenance": model_prov,
-                               "params": n_params, "data": data, "estimate_s": est, "targets": {}}
+                               "params": n_params, "data": data, "estimate_s": est, "targets": {},
+                               "compute": comp}
     results["teacher"] = held.evaluate(teacher)
     _say(f"teacher held-out: ppl {results['teacher']['ppl']:.3f} over {results['teacher']['tokens']:.0f} tokens")
     del teacher
     gc.collect()
 
     tcache = cache / "teacher-cache" / hashlib.sha256(
-        f"{_model_fingerprint(model_dir)}:{train_s.fingerprint()}:{eval_s.fingerprint()}:{s.topk}".encode()
+        f"{_model_fingerprint(model_dir)}:{train_s.fingerprint()}:{eval_s.fingerprint()}:{s.topk}:{s.dtype}".encode()
     ).hexdigest()[:16]
 
-    for key in s.targets:
+    last_threads = comp["threads"]
+    for i, key in enumerate(s.targets):
         tg = TARGETS[key]
         r: Dict[str, Any] = {"label": tg.label, "preset": tg.preset, "teacher": tg.teacher}
         results["targets"][key] = r
+        if device == "cpu" and i > 0:
+            # the load beside us changes: fit the threads again before each target
+            th = cpu.choose_threads()
+            if th["threads"] != last_threads:
+                _say(f"[{key}] {th['threads']} intra-op thread(s) now: {th['why']}")
+            last_threads = th["threads"]
+        r["threads"] = torch.get_num_threads() if device == "cpu" else None
         tt = time.time()
 
         # 1. PTQ with the quantize API, calibrated exactly as the trainer calibrates
         _say(f"[{key}] PTQ: prepare + calibrate ({tg.preset})")
         qcfg = Q.QuantConfig.preset(tg.preset)
-        m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
+        m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=tdt).to(device)
         Q.prepare(m, qcfg)
         calib = [train_s.select([i]) for i in range(min(s.calib_samples, len(train_s)))]
         Q.calibrate(m, [{"input_ids": b["input_ids"].to(device), "attention_mask": b["attn"].to(device)}
@@ -614,7 +640,7 @@ def make_plots(results: Dict[str, Any], out: Path) -> List[Path]:
         if metric == "kl":      # the targets differ by 40x: a log axis keeps the smallest readable
             ax.set_yscale("log")
         if metric == "ppl":
-            ax.axhline(results["teacher"]["ppl"], color="k", ls="--", lw=1, label="teacher (bf16)")
+            ax.axhline(results["teacher"]["ppl"], color="k", ls="--", lw=1, label=f"teacher ({_short(results)})")
             lo = min(ptq + qad + [results["teacher"]["ppl"]])
             ax.set_ylim(lo * 0.95, max(ptq + qad) * 1.02)
         ax.set_xticks(list(x))
@@ -646,6 +672,10 @@ def make_plots(results: Dict[str, Any], out: Path) -> List[Path]:
     return written
 
 
+def _short(results: Dict[str, Any]) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}.get((results.get("compute") or {}).get("dtype"), "bf16")
+
+
 def _verdict(e: Dict[str, Any]) -> str:
     if e.get("error"):
         return "FAIL (" + e["error"][:120] + ")"
@@ -657,7 +687,7 @@ def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> st
     T = results["teacher"]
     L = []
     L.append("# qatfactory demo report\n")
-    L.append(f"Model: `{results['model_dir']}` ({results['params'] / 1e6:.1f}M parameters, bf16 teacher). "
+    L.append(f"Model: `{results['model_dir']}` ({results['params'] / 1e6:.1f}M parameters, {_short(results)} teacher). "
              f"Run time {_fmt_s(results['seconds'])} (estimated {_fmt_s(results['estimate_s'])}).\n")
     d = results["data"]
     L.append(f"Data: English Wikipedia lead sections ({d['source'].get('package')}, {d['source'].get('license')}); "
@@ -666,12 +696,19 @@ def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> st
              f"evaluation on {T['tokens']:.0f} tokens. Wheel sha256 `{d['source'].get('wheel_sha256')}`.\n")
     lrs = ", ".join(f"{r['label']} {r['lr']:g} ({r['teacher']} teacher)" for r in results["targets"].values())
     L.append(f"QAD: {s['steps']} steps x {s['micro_batch']} x {s['seq_len']} tokens per target, AdamW, constant "
-             f"learning rate: {lrs}; forward KL to the bf16 teacher, seed {s['seed']}.\n")
+             f"learning rate: {lrs}; forward KL to the {_short(results)} teacher, seed {s['seed']}.\n")
+    c = results.get("compute") or {}
+    if c:
+        L.append(f"Compute: {c.get('dtype')} ({c.get('why')}); "
+                 + (f"{c['threads']} intra-op thread(s) at the start ({c.get('threads_why')}; per target: "
+                    + ", ".join(f"{k} {r.get('threads')}" for k, r in results["targets"].items()) + ")"
+                    if c.get("threads") else "on a GPU")
+                 + f"; expected {_fmt_s(results['estimate_s'])}, took {_fmt_s(results['seconds'])}.\n")
     L.append("## Held-out accuracy (KL to the teacher: lower is better)\n")
     L.append("| target | model | KL (nats/token) | perplexity | top-1 agreement | bits/weight (quantized linears) "
              "| bits/param (whole model) |")
     L.append("|---|---|---:|---:|---:|---:|---:|")
-    L.append(f"| - | teacher bf16 | {T['kl']:.4f} | {T['ppl']:.3f} | {T['top1']:.3f} | 16 | 16 |")
+    L.append(f"| - | teacher {_short(results)} | {T['kl']:.4f} | {T['ppl']:.3f} | {T['top1']:.3f} | 16 | 16 |")
     for k, r in results["targets"].items():
         b = r["bits"]
         for stage in ("ptq", "qad"):
@@ -722,7 +759,7 @@ def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> st
 def summary_lines(results: Dict[str, Any]) -> List[str]:
     lines = [f"{'target':28s}{'KL ptq':>10s}{'KL qad':>10s}{'ppl ptq':>10s}{'ppl qad':>10s}{'bits':>7s}  exports"]
     T = results["teacher"]
-    lines.append(f"{'teacher bf16':28s}{'':>10s}{'':>10s}{T['ppl']:>10.3f}{'':>10s}{16:>7d}")
+    lines.append(f"{'teacher ' + _short(results):28s}{'':>10s}{'':>10s}{T['ppl']:>10.3f}{'':>10s}{16:>7d}")
     for k, r in results["targets"].items():
         ex = ", ".join(f"{e['engine']}/{e['flavour']} {_verdict(e)}" for e in r["exports"])
         lines.append(f"{r['label']:28s}{r['ptq']['kl']:>10.4f}{r['qad']['kl']:>10.4f}{r['ptq']['ppl']:>10.3f}"
@@ -732,20 +769,29 @@ def summary_lines(results: Dict[str, Any]) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    from . import exitcodes as X
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return X.OK if e.code in (0, None) else X.USAGE
     try:
         s = settings_from(args)
     except ValueError as e:
-        print(f"qatfactory demo: {e}", file=sys.stderr)
-        return 2
+        print(f"qatfactory demo: USAGE: {e}", file=sys.stderr)
+        return X.USAGE
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # the demo's trainer runs and exports live in --out; an earlier run there is never overwritten
+        print(f"qatfactory demo: BAD_INPUT: --out {out} exists and is not empty; choose a new directory "
+              f"(nothing was changed)", file=sys.stderr)
+        return X.BAD_INPUT
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if hasattr(os, "getloadavg") and os.getloadavg()[0] > (os.cpu_count() or 1) and "OMP_NUM_THREADS" not in os.environ:
-        # measured on a shared 2-core machine: torch's spinning intra-op threads made a forward 4-6x slower
-        _say(f"this machine is busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); OMP_NUM_THREADS=1 "
-             f"avoids thread oversubscription and is often several times faster here")
-    results = run_demo(s, Path(args.model) if args.model else None, out, verify_exports=not args.no_verify,
-                       device=args.device)
+    try:
+        results = run_demo(s, Path(args.model) if args.model else None, out, verify_exports=not args.no_verify,
+                           device=args.device)
+    except Exception as e:  # noqa: BLE001 - one line and an exit code (QATFACTORY_DEBUG=1: the traceback)
+        from .cli import _run_error_code
+        return X.report("qatfactory demo", e, _run_error_code(e))
     print()
     for line in summary_lines(results):
         print(line)

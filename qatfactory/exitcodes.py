@@ -29,3 +29,64 @@ TABLE = [
     (RUN_FAILED, "RUN_FAILED", "training or evaluation stopped on an error inside the run"),
     (INTERRUPTED, "INTERRUPTED", "interrupted (Ctrl-C)"),
 ]
+
+
+# ----------------------------------------------------------------------------- errors
+# An exception says which row of the table it belongs to with an ``exit_code`` attribute; the
+# commands print one line (``one_line``) and return ``code_for(exc)``. QATFACTORY_DEBUG=1 prints
+# the full traceback as well.
+class QatfactoryError(Exception):
+    exit_code = RUN_FAILED
+
+
+class UsageError(QatfactoryError, ValueError):
+    """A value on the command line / in the config that is not allowed (the message says what is)."""
+    exit_code = USAGE
+
+
+class BadInputError(QatfactoryError, ValueError):
+    """A file or directory that cannot be used as given; nothing was changed."""
+    exit_code = BAD_INPUT
+
+
+class UnsafeFileError(BadInputError):
+    """A file that would run code or follow somebody else's paths if loaded; refused."""
+
+
+class CorruptFileError(BadInputError):
+    """A truncated or garbled file (named in the message)."""
+
+
+def code_for(exc: BaseException, default: int = RUN_FAILED) -> int:
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    code = getattr(exc, "exit_code", None)
+    return int(code) if isinstance(code, int) else default
+
+
+def debug() -> bool:
+    import os
+    return os.environ.get("QATFACTORY_DEBUG", "") not in ("", "0")
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (the first line of a multi-line message, which for the
+    libraries we call is the one that says what went wrong)."""
+    msg = str(exc).strip() or type(exc).__name__
+    first = msg.splitlines()[0].strip()
+    more = " ..." if len(msg.splitlines()) > 1 else ""
+    return f"{type(exc).__name__}: {first}{more}"
+
+
+def report(prog: str, exc: BaseException, default: int = RUN_FAILED) -> int:
+    """Print ``prog: NAME: Type: message`` on stderr (the traceback too under QATFACTORY_DEBUG=1)
+    and return the exit code."""
+    import sys
+    import traceback
+    code = code_for(exc, default)
+    name = {c: n for c, n, _ in TABLE}.get(code, str(code))
+    if debug():
+        traceback.print_exception(exc)
+    hint = "" if debug() else " (QATFACTORY_DEBUG=1 shows the traceback)"
+    print(f"{prog}: {name}: {one_line(exc)}{hint if code == RUN_FAILED else ''}", file=sys.stderr, flush=True)
+    return code

@@ -24,8 +24,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -96,6 +94,10 @@ class QuantConfig:
     * ``scale_strategy``: dynamic | frozen | learnable; ``calib_method``: max | mse | four_over_six.
     * ``share_fused_scales``: q/k/v, gate/up and per-expert gate/up share one per-tensor scale,
       as vLLM/SGLang fuse them at load.
+    * ``min_coverage``: the smallest fraction of the Linear-like parameters asked for (targeted and
+      not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
+      that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
+      ``convert`` refuse (CoverageError); between it and 100% ``prepare`` warns.
     """
 
     weight_format: str = "nvfp4"
@@ -110,6 +112,7 @@ class QuantConfig:
     share_fused_scales: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     name: str = ""
+    min_coverage: float = 0.5
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -122,6 +125,10 @@ class QuantConfig:
         _check_choice("QuantConfig.scale_strategy", self.scale_strategy, SCALE_STRATEGIES)
         _check_choice("QuantConfig.calib_method", self.calib_method, CALIB_METHODS)
         _check_choice("QuantConfig.ste", self.ste, STE_MODES)
+        if isinstance(self.min_coverage, bool) or not isinstance(self.min_coverage, (int, float)) or \
+                not 0.0 <= float(self.min_coverage) <= 1.0:
+            raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
+                             f"fraction of the Linear-like parameters asked for that must be quantized)")
         if not isinstance(self.lora.rank, int) or self.lora.rank < 0:
             raise ValueError(f"QuantConfig.lora.rank={self.lora.rank!r}; allowed: an int >= 0 (0 = LoRA off)")
         if self.lora.rank and not self.lora.alpha > 0:
@@ -318,6 +325,12 @@ def _tied_lm_head(model, lm_name) -> bool:
     return emb is not None and getattr(lm, "weight", None) is getattr(emb, "weight", None)
 
 
+def _is_conv1d(m) -> bool:
+    """transformers' Conv1D (GPT-2 and relatives): a Linear with a transposed [in, out] weight."""
+    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and \
+        getattr(getattr(m, "weight", None), "ndim", 0) == 2
+
+
 def _linear_like(model):
     """(name, module, kind) for every nn.Linear and fused-experts module, in model order."""
     out = []
@@ -326,6 +339,8 @@ def _linear_like(model):
             continue
         if isinstance(m, (nn.Linear, QuantLinear)):
             out.append((n, m, "linear"))
+        elif _is_conv1d(m):
+            out.append((n, m, "unsupported_conv1d"))
         elif is_fused_experts(m):
             out.append((n, m, "experts"))
         else:
@@ -393,7 +408,7 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
 
     plan = {}
     for name, mod, kind in cands:
-        if kind == "unsupported_3d" or _exclusion(cfg, name, lm_name, tied) is not None:
+        if kind.startswith("unsupported") or _exclusion(cfg, name, lm_name, tied) is not None:
             continue
         if not any(match(p, name) for p in cfg.targets):
             continue
@@ -436,10 +451,17 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
             _add_lora(model, cfg)
         _init_scale_state(model, "max")
         model._qf_config = cfg
-        coverage(model).raise_if_errors()
+        rep = coverage(model).raise_if_errors()
     except BaseException:
         _undo_prepare(model, undo, grads)
         raise
+    t = rep.totals
+    if t["asked_params"] and t["asked_fraction"] < 1.0:
+        import warnings
+        warnings.warn(f"prepare: {100 * t['asked_fraction']:.1f}% of the {t['asked_params']:,} Linear-like "
+                      f"parameters asked for are quantized; kept as they are: "
+                      f"{', '.join(t['not_quantized'][:4])}{' ...' if len(t['not_quantized']) > 4 else ''} "
+                      f"(see coverage(model).table())", stacklevel=2)
     return model
 
 
@@ -674,7 +696,7 @@ class CoverageRow:
     numel: int
     format: str          # format name, or the dtype for tensors kept as they are
     bits: float          # storage bits of the whole tensor as shipped
-    status: str          # quantized | excluded | dense | tied | adapter | quantizer | MISSING
+    status: str          # quantized | excluded | kept (a policy's f16) | dense | tied | adapter | quantizer | MISSING
     note: str = ""
 
 
@@ -755,15 +777,26 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                         numel * fmt.spec.bits_per_weight + 32 * n_glob, "quantized", note))
                 continue
             linear_like = (isinstance(m, nn.Linear) and pn == "weight") or p.ndim == 3
+            if _is_conv1d(m) and pn == "weight":
+                why = _exclusion(cfg, n, lm_name, tied)
+                if why is None and any(match(t, n) for t in cfg.targets):
+                    errors.append(f"{full} {tuple(p.shape)} is a transformers Conv1D (GPT-2 style) weight, which "
+                                  f"qatfactory does not quantize; add it to QuantConfig.exclude to keep it as it is")
+                    rows.append(CoverageRow(full, list(p.shape), p.numel(), str(p.dtype).replace("torch.", ""),
+                                            p.numel() * _dtype_bits(p), "MISSING", "Conv1D is not supported"))
+                    continue
+                linear_like = True
             status, note = "dense", ""
             if linear_like:
                 why = _exclusion(cfg, n, lm_name, tied)
+                policy = False
                 if why is None and isinstance(m, nn.Linear) and cfg.resolve(n)[0] in POLICY_TARGETS and \
                         _resolve_format(cfg, cfg.resolve(n)[0], full, tuple(p.shape),
                                         getattr(model, "config", None)) is None:
                     why = f"the {cfg.resolve(n)[0]} policy keeps rows of length {p.shape[-1]} in f16"
+                    policy = True
                 if why is not None:
-                    status, note = "excluded", why
+                    status, note = ("kept" if policy else "excluded"), why
                 elif any(match(t, n) for t in cfg.targets):
                     status = "MISSING"
                     errors.append(f"{full} {tuple(p.shape)} is matched by targets but was not quantized")
@@ -777,6 +810,19 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                     numel * _dtype_bits(p), status, note))
     shipped = [r for r in rows if r.status not in ("adapter", "quantizer", "tied")]
     q = [r for r in shipped if r.status == "quantized"]
+    # asked for: Linear-like weights that the config targets and does not exclude (a policy's f16
+    # rows and unsupported layers count as asked for and not delivered)
+    asked = [r for r in shipped if r.status in ("quantized", "kept", "MISSING")]
+    n_asked = sum(r.numel for r in asked)
+    frac = (sum(r.numel for r in q) / n_asked) if n_asked else 1.0
+    min_cov = float(getattr(cfg, "min_coverage", 0.0) or 0.0)
+    if n_asked and frac < min_cov:
+        kept = [r for r in asked if r.status != "quantized"]
+        why = sorted({r.note for r in kept if r.note})
+        errors.append(f"{100 * frac:.1f}% of the {n_asked:,} Linear-like parameters asked for are quantized, below "
+                      f"QuantConfig.min_coverage={min_cov:g} (kept as they are: {', '.join(r.name for r in kept[:3])}"
+                      f"{' ...' if len(kept) > 3 else ''}; {'; '.join(why[:2])}). Pick a format whose block size "
+                      f"divides the rows, add a rule, or lower min_coverage to accept it")
     n_all = sum(r.numel for r in shipped)
     n_q = sum(r.numel for r in q)
     by_fmt: Dict[str, int] = {}
@@ -792,6 +838,9 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
         "by_format": by_fmt,
         "excluded": [r.name for r in shipped if r.status == "excluded"],
         "missing": [r.name for r in rows if r.status == "MISSING"],
+        "asked_params": n_asked,
+        "asked_fraction": frac,
+        "not_quantized": [r.name for r in asked if r.status != "quantized"],
     }
     return CoverageReport(rows, totals, errors)
 
@@ -969,24 +1018,6 @@ def register_zero3_external_params(model: nn.Module) -> int:
 QUANT_FILE = "qatfactory_quant.json"
 
 
-def _atomic_dir(target: str):
-    parent = os.path.dirname(os.path.abspath(target)) or "."
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.tmp-", dir=parent)
-
-
-def _commit_dir(tmp: str, target: str) -> None:
-    target = os.path.abspath(target)
-    old = None
-    if os.path.exists(target):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
-        os.rmdir(old)
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _student_state(model) -> Dict[str, torch.Tensor]:
     """state_dict without tied duplicates (safetensors refuses shared storage)."""
     sd = model.state_dict()
@@ -1003,13 +1034,16 @@ def _student_state(model) -> Dict[str, torch.Tensor]:
 
 def save_student(model: nn.Module, out_dir: str) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
-    Written to a temporary directory beside out_dir, then renamed into place."""
+    Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
+    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
     from safetensors.torch import save_file
+
+    from . import _fsutil
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
-    tmp = _atomic_dir(out_dir)
-    try:
+    with _fsutil.atomic_dir(out_dir, replace=True, kinds=("student",), what="save_student") as tmp:
+        tmp = str(tmp)
         model.config.save_pretrained(tmp)
         state = _student_state(model)
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "producer": "qatfactory"})
@@ -1017,35 +1051,45 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
                        "model_class": type(model).__name__}, f, indent=2)
-        _commit_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
 def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Rebuild a saved student: from_config (never remote code), prepare with the saved
-    QuantConfig, then load weights and quantizer state through safetensors."""
-    from safetensors.torch import load_file
+    QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
+    named in the error (exitcodes.CorruptFileError, exit code 4)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ._fsutil import load_safetensors
+    from .exitcodes import CorruptFileError
     qpath = os.path.join(path, QUANT_FILE)
     if not os.path.isfile(qpath):
         raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")
-    with open(qpath) as f:
-        meta = json.load(f)
-    cfg = QuantConfig.from_dict(meta["quant_config"])
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        with open(qpath) as f:
+            meta = json.load(f)
+        qc = meta["quant_config"]
+        if qc is None and meta.get("plain"):
+            raise FileNotFoundError(f"load_student: {path} holds a plain (unquantized) model from a format=bf16 "
+                                    f"run; load it with transformers' from_pretrained")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"load_student: {qpath} is not a valid record ({type(e).__name__}: {e})") from None
+    cfg = QuantConfig.from_dict(qc)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"load_student: {os.path.join(path, 'config.json')} cannot be read "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     dt = dtype or getattr(torch, meta.get("dtype", "float32"))
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dt)
     prepare(model, cfg)
-    state = load_file(os.path.join(path, "model.safetensors"))
+    state = load_safetensors(os.path.join(path, "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(_student_tied_keys(model))
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
-                         f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
+        raise CorruptFileError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
+                               f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
     return model
 
 

@@ -2,6 +2,7 @@
 PTQ -> QAD with the trainer -> exports -> parity gate -> report.md, results.json and plots."""
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_demo_caches_data_and_teacher(demo_run):
     (["--lr", "-1"], "--lr=-1.0; allowed"),
 ])
 def test_demo_bad_arguments(argv, msg, capsys):
-    assert demo.main(argv) == 2
+    assert demo.main(argv) == 3         # exitcodes.USAGE
     import re
     assert re.search(msg, capsys.readouterr().err)
 
@@ -148,3 +149,96 @@ def test_time_measurements_leave_the_teacher_untouched(tiny_model_dir):
     assert not any(p.requires_grad for p in m.parameters()) and not m.training
     assert all(p.grad is None for p in m.parameters())
     assert demo.fake_quant_seconds(m, "q4_k") > 0 and demo.fake_quant_seconds(m, "nvfp4_w4a16") > 0
+
+
+# ----------------------------------------------------------------------------- compute dtype and threads
+def test_demo_in_fp32_where_bf16_would_be_emulated(tiny_model_dir, tmp_path, monkeypatch):
+    """--dtype float32 (what auto picks on a CPU without fast bf16): teacher, PTQ and the trainer's
+    student compute in fp32, the student keeps fp32 weights, the exports pass the gate, and the
+    report says which dtype and how many threads were used."""
+    from qatfactory import assets
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    real = assets.cache_dir()
+    for sub in ("assets", "wheels"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    monkeypatch.setenv("QATFACTORY_CACHE", str(cache))
+    out = tmp_path / "demo"
+    rc = demo.main(["--quick", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "2", "--targets", "nvfp4",
+                    "--dtype", "float32"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    c = res["compute"]
+    assert c["dtype"] == "float32" and "asked for" in c["why"] and c["threads"] >= 1 and c["threads_why"]
+    assert res["settings"]["dtype"] == "float32"
+    assert "model.dtype=float32" in res["targets"]["nvfp4"]["train_command"]
+    assert "train.precision=fp32" in res["targets"]["nvfp4"]["train_command"]
+    from safetensors import safe_open
+    with safe_open(str(out / "qad-nvfp4" / "student" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    assert all(e["ok"] is True for e in res["targets"]["nvfp4"]["exports"])
+    md = (out / "report.md").read_text()
+    assert "Compute: float32" in md and "intra-op thread" in md and "teacher fp32" in md
+    # an existing --out is never overwritten
+    assert demo.main(["--quick", "--model", str(tiny_model_dir), "--out", str(out)]) == 4
+
+
+def test_compute_dtype_follows_the_measurement_and_is_cached(tmp_path, monkeypatch):
+    from qatfactory import cpu
+    monkeypatch.setenv("QATFACTORY_CACHE", str(tmp_path))
+    monkeypatch.delenv("QATFACTORY_DTYPE", raising=False)
+    speed = {"bfloat16": 0.9, "float32": 34.0}           # the issue's 2-core EPYC without AVX512_BF16
+    monkeypatch.setattr(cpu, "matmul_gflops", lambda dt, **k: speed[dt])
+    d = cpu.compute_dtype("cpu")
+    assert d["dtype"] == "float32" and "emulated" in d["why"] and d["bf16_gflops"] == 0.9
+    assert json.loads((tmp_path / "cpu-compute-dtype.json").read_text())["dtype"] == "float32"
+
+    def no_measure(*a, **k):
+        raise AssertionError("measured again although cached")
+    monkeypatch.setattr(cpu, "matmul_gflops", no_measure)
+    assert cpu.compute_dtype("cpu")["dtype"] == "float32"             # from the cache
+    speed.update(bfloat16=1245.0, float32=200.0)                        # AMX (this dev machine)
+    monkeypatch.setattr(cpu, "matmul_gflops", lambda dt, **k: speed[dt])
+    assert cpu.compute_dtype("cpu", cache=False)["dtype"] == "bfloat16"
+    assert cpu.compute_dtype("cuda")["dtype"] == "bfloat16"
+    assert cpu.compute_dtype("cpu", "float32")["dtype"] == "float32"
+    monkeypatch.setenv("QATFACTORY_DTYPE", "bfloat16")
+    assert cpu.compute_dtype("cpu")["dtype"] == "bfloat16"
+    monkeypatch.setenv("QATFACTORY_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="allowed: auto, bfloat16, float32"):
+        cpu.compute_dtype("cpu")
+    assert cpu.native_bf16({"avx2", "amx_bf16"}) and not cpu.native_bf16({"avx2", "avx512f"})
+
+
+def test_the_real_measurement_ranks_what_this_cpu_does():
+    """On this machine (AMX / AVX512_BF16) bf16 is faster; the measurement must see that, and its
+    choice must agree with the flags whenever they are decisive (no fast bf16 without them)."""
+    from qatfactory import cpu
+    bf, fp = cpu.matmul_gflops("bfloat16"), cpu.matmul_gflops("float32")
+    assert bf > 0 and fp > 0
+    if not cpu.native_bf16():
+        assert bf < fp                                     # emulated bf16 is never the faster one
+    d = cpu.compute_dtype("cpu", cache=False)
+    assert d["dtype"] == ("bfloat16" if d["bf16_gflops"] >= d["fp32_gflops"] else "float32")
+
+
+def test_threads_fit_the_load(monkeypatch):
+    from qatfactory import cpu
+    busy, how = cpu._busy_cores(0.2)                 # the real sample: a number of cores, from /proc/stat here
+    assert 0.0 <= busy <= len(os.sched_getaffinity(0)) + 0.01 and how.startswith("/proc/stat")
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert cpu.choose_threads()["threads"] == 1 and torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1})
+        monkeypatch.setattr(cpu, "_busy_cores", lambda: (1.0, "test"))        # one core busy elsewhere
+        t = cpu.choose_threads()
+        assert t["threads"] == 1 and torch.get_num_threads() == 1 and "1.0 busy" in t["why"]
+        monkeypatch.setattr(cpu, "_busy_cores", lambda: (0.1, "test"))        # idle
+        assert cpu.choose_threads()["threads"] == 2 and torch.get_num_threads() == 2
+        monkeypatch.setattr(cpu, "_busy_cores", lambda: (5.0, "test"))        # overloaded: still one
+        assert cpu.choose_threads()["threads"] == 1
+    finally:
+        torch.set_num_threads(before)

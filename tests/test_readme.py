@@ -19,3 +19,16 @@ def test_formats_table_matches_registry():
     assert m, "README lost its formats table markers"
     assert m.group(1).strip() == markdown_table().strip(), (
         "README formats table is out of date: regenerate it with `python -m qatfactory.formats`")
+
+
+def test_reliability_table_has_every_exit_code():
+    """README's one reliability table names every exit code of qatfactory.exitcodes with its meaning."""
+    from qatfactory.exitcodes import TABLE
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- reliability-table -->\n(.*?)\n<!-- /reliability-table -->", text, re.S)
+    assert m, "README lost its reliability table markers"
+    rows = m.group(1)
+    for code, name, meaning in TABLE:
+        assert f"| exit {code} | {name} | {meaning} |" in rows, (code, name)
+    assert rows.count("| exit ") == len(TABLE)
+    assert "weights_only=True" in rows and "FAILED.json" in rows

@@ -81,13 +81,13 @@ def test_held_out_eval_is_the_tail(tmp_path):
 
 def test_cli(capsys, monkeypatch):
     from qatfactory import cli
-    assert cli.main(["nope"]) == 2
+    assert cli.main(["nope"]) == 3                   # exitcodes.USAGE
     assert "unknown command 'nope'" in capsys.readouterr().err
     assert cli._strip_launcher_args(["--local_rank=1", "a=b", "--local_rank", "1", "c=d"]) == ["a=b", "c=d"]
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "method: " in out and "qad_lora" in out and "nvfp4_w4a16" in out
-    assert cli.main(["train", "--bogus"]) == 2
+    assert cli.main(["train", "--bogus"]) == 3
     import importlib
     real = importlib.import_module
 
@@ -96,7 +96,7 @@ def test_cli(capsys, monkeypatch):
             raise ImportError("No module named 'qatfactory.cli_export'")
         return real(name, *a, **k)
     monkeypatch.setattr(importlib, "import_module", fake)
-    assert cli.main(["export", "x"]) == 2
+    assert cli.main(["export", "x"]) == 4            # exitcodes.BAD_INPUT: not installed
     assert "qatfactory.cli_export is not available" in capsys.readouterr().err
 
 

@@ -39,7 +39,7 @@ def test_launcher_zero3_two_ranks_equals_single_process(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summ = json.loads((tmp_path / "z3" / "summary.json").read_text())
     assert summ["world_size"] == 2
-    assert (tmp_path / "z3" / "checkpoints" / "step-000003" / "rng-rank1.pt").exists()
+    assert (tmp_path / "z3" / "checkpoints" / "step-000003" / "rng-rank1.safetensors").exists()
 
     single = _run(tmp_path / "one", *COMMON[3:], "method=qad", "format=nvfp4_w4a16", "train.micro_batch=2")
     a, b = _losses(tmp_path / "z3"), _losses(tmp_path / "one")

@@ -135,10 +135,16 @@ class CachedTeacher:
                              f"delete it or point method.teacher_cache elsewhere")
         if seq_len is not None and int(self.meta["seq_len"]) != int(seq_len):
             raise ValueError(f"teacher cache seq_len={self.meta['seq_len']} but data.seq_len={seq_len}")
-        from safetensors.torch import load_file
+        import re
+
+        from .._fsutil import load_safetensors
         self._shards = []
         for name in self.meta["shards"]:
-            t = load_file(str(self.path / name))
+            # only shard files of this directory: a name from meta.json is never followed elsewhere
+            if not isinstance(name, str) or not re.fullmatch(r"shard-\d+\.safetensors", name):
+                raise ValueError(f"teacher cache {meta_p}: shard name {name!r} is not a shard of this directory "
+                                 f"(allowed: shard-NNNNN.safetensors)")
+            t = load_safetensors(self.path / name)
             self._shards.append((int(t["sample_ids"][0]), int(t["sample_ids"][-1]) + 1, t))
         self.k = int(self.meta["k"])
 

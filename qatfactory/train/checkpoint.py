@@ -1,32 +1,52 @@
-"""Checkpoints that resume a run exactly.
+"""Checkpoints that resume a run exactly, and that never run code when loaded.
 
 One checkpoint is one directory ``<run_dir>/checkpoints/step-000123/``::
 
-    ds/                  DeepSpeed's own checkpoint (engine.save_checkpoint, tag "ds"): module state
-                         (the quantizer's scales / amax / LoRA live in it), optimizer, LR scheduler,
-                         ZeRO partitions per rank
-    rng-rank0.pt ...     python, numpy, torch (and CUDA) RNG states of each rank
-    trainer_state.json   step, data position, eval history, the resolved config
+    ds/                        DeepSpeed's own checkpoint (engine.save_checkpoint, tag "ds"): module state
+                               (the quantizer's scales / amax / LoRA live in it), optimizer, LR scheduler,
+                               ZeRO partitions per rank
+    rng-rank0.safetensors ...  python, numpy, torch (and CUDA) RNG states of each rank, as plain tensors
+                               with the few scalars in the safetensors metadata (JSON)
+    trainer_state.json         step, data position, eval history, the resolved config, world size
 
-Every rank writes into ``.tmp-step-000123``; after a barrier rank 0 adds trainer_state.json and
-renames the directory, so a crash never leaves a checkpoint that looks complete. Only the last
-``keep_last`` checkpoints are kept.
+Every rank writes into ``.step-000123.tmp-00000123``; after a barrier rank 0 adds trainer_state.json
+and swaps the directory in (qatfactory._fsutil.swap_in), so a crash never leaves a checkpoint that
+looks complete; leftovers are tidied at the next start (:func:`tidy`). Only the last ``keep_last``
+checkpoints are kept.
+
+Loading never unpickles arbitrary objects: DeepSpeed's files go through :class:`SafeLoad`, a
+checkpoint engine whose ``torch.load`` runs with ``weights_only=True`` and an explicit allowlist of the
+three DeepSpeed classes its state holds (:data:`DS_SAFE_GLOBALS`); anything else is refused, naming
+the file and what it would have imported. The RNG files are safetensors.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from .. import _fsutil
+from ..exitcodes import BadInputError, CorruptFileError, UnsafeFileError
+
 DS_TAG = "ds"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_LEFTOVER_RE = re.compile(r"^\.(step-\d+)\.(tmp|old)-[A-Za-z0-9_]{8}$")
+# what DeepSpeed's own state pickles besides tensors and containers (0.19, ZeRO 0-3, fp32/bf16)
+DS_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                   "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   "deepspeed.runtime.zero.config.ZeroStageEnum",
+                   "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def _say(msg: str) -> None:
+    print(f"[qatfactory] {msg}", file=sys.stderr, flush=True)
 
 
 def _barrier():
@@ -34,47 +54,237 @@ def _barrier():
         torch.distributed.barrier()
 
 
-def rng_state() -> Dict[str, Any]:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+# ----------------------------------------------------------------------------- RNG as plain tensors
+def rng_tensors() -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(tensors, metadata) of the python, numpy, torch and CUDA generators: the state words as
+    int64 / uint8 tensors, the few scalars as JSON in the metadata."""
+    pv, pstate, pgauss = random.getstate()
+    nname, nkeys, npos, nhas, ncached = np.random.get_state()
+    t = {"python_state": torch.tensor(list(pstate), dtype=torch.int64),
+         "numpy_keys": torch.from_numpy(np.asarray(nkeys, dtype=np.int64).copy()),
+         "torch": torch.get_rng_state().clone()}
+    meta = {"python_version": pv, "python_gauss_next": pgauss, "numpy_name": nname, "numpy_pos": int(npos),
+            "numpy_has_gauss": int(nhas), "numpy_cached_gaussian": float(ncached), "cuda_devices": 0}
     if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
+        states = torch.cuda.get_rng_state_all()
+        for i, s in enumerate(states):
+            t[f"cuda{i}"] = s.clone()
+        meta["cuda_devices"] = len(states)
+    return t, {"qatfactory_rng": json.dumps(meta)}
 
 
-def set_rng_state(st: Dict[str, Any]) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+def set_rng_tensors(t: Dict[str, torch.Tensor], meta: Dict[str, str], where: str) -> None:
+    try:
+        m = json.loads(meta["qatfactory_rng"])
+        random.setstate((int(m["python_version"]), tuple(int(x) for x in t["python_state"].tolist()),
+                         m["python_gauss_next"]))
+        np.random.set_state((m["numpy_name"], t["numpy_keys"].numpy().astype(np.uint32), int(m["numpy_pos"]),
+                             int(m["numpy_has_gauss"]), float(m["numpy_cached_gaussian"])))
+        torch.set_rng_state(t["torch"])
+        if m.get("cuda_devices") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t[f"cuda{i}"] for i in range(int(m["cuda_devices"]))])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CorruptFileError(f"{where}: not a qatfactory RNG state ({type(e).__name__}: {e})") from None
 
 
+def rng_file(ckpt: Path, rank: int) -> Path:
+    return Path(ckpt) / f"rng-rank{rank}.safetensors"
+
+
+def save_rng(path: Path) -> None:
+    from safetensors.torch import save_file
+    t, meta = rng_tensors()
+    save_file(t, str(path), metadata=meta)
+
+
+def load_rng(path: Path) -> None:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # SafetensorError on a damaged file
+        raise CorruptFileError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    set_rng_tensors(t, meta, str(path))
+
+
+# ----------------------------------------------------------------------------- DeepSpeed, safely
+def _safe_classes():
+    import importlib
+    out = []
+    for q in DS_SAFE_GLOBALS:
+        mod, _, name = q.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(mod), name))
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def safe_torch_load(path, map_location=None):
+    """torch.load with weights_only=True and only DeepSpeed's own state classes allowed; a file that
+    would import anything else is refused (UnsafeFileError, exit code 4) without running it."""
+    p = str(path)
+    try:
+        with torch.serialization.safe_globals(_safe_classes()):
+            return torch.load(p, map_location=map_location, weights_only=True)
+    except Exception as e:
+        import pickle
+        if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower() or \
+                "unsupported global" in str(e).lower():
+            try:
+                found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(p)
+                         if g not in DS_SAFE_GLOBALS]
+            except Exception:  # noqa: BLE001 - the scan is for the message only
+                found = []
+            what = f" it would import {found[:4]}," if found else ""
+            raise UnsafeFileError(
+                f"{p}: refused to load:{what} which is neither a tensor nor part of DeepSpeed's checkpoint state "
+                f"(allowed: {list(DS_SAFE_GLOBALS)}). Unpickling it could run code; a checkpoint is loaded only "
+                f"when it holds tensors and plain data") from None
+        if isinstance(e, (EOFError, RuntimeError, OSError, ValueError)):
+            raise CorruptFileError(f"{p}: cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else 'no detail'}); truncated or damaged"
+                                   ) from None
+        raise
+
+
+def scan(ckpt: Path) -> None:
+    """Refuse, before anything is built or written, a checkpoint whose DeepSpeed files would import
+    anything but DeepSpeed's own state classes (read from the pickle's opcodes; nothing is run).
+    The loader (:func:`safe_torch_load`) refuses the same files again when it reads them."""
+    for f in sorted((Path(ckpt) / DS_TAG).glob("*.pt")):
+        try:
+            found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f)) if g not in DS_SAFE_GLOBALS]
+        except Exception as e:  # noqa: BLE001 - not a torch file at all
+            raise CorruptFileError(f"{f}: not a readable torch checkpoint file ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+        if found:
+            raise UnsafeFileError(
+                f"{f}: refused to load: it would import {found[:4]}, which is neither a tensor nor part of "
+                f"DeepSpeed's checkpoint state (allowed: {list(DS_SAFE_GLOBALS)}). Unpickling it could run "
+                f"code; a checkpoint is loaded only when it holds tensors and plain data")
+
+
+def make_safe(engine) -> None:
+    """Give the DeepSpeed engine a checkpoint engine whose load is :func:`safe_torch_load`."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None or type(ce).__name__ == "SafeLoad":
+        return
+    if not isinstance(ce, TorchCheckpointEngine):
+        raise BadInputError(f"checkpoints: DeepSpeed's checkpoint engine is {type(ce).__name__}; qatfactory loads "
+                            f"checkpoints only through its torch engine with weights_only=True")
+
+    class SafeLoad(type(ce)):
+        def load(self, path: str, map_location=None):
+            return safe_torch_load(path, map_location)
+
+    ce.__class__ = SafeLoad
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
 def list_checkpoints(run_dir) -> list:
     d = Path(run_dir) / "checkpoints"
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
+             and not p.is_symlink()]
     return [p for _, p in sorted(found)]
 
 
+def read_state(ckpt: Path) -> Dict[str, Any]:
+    p = Path(ckpt) / "trainer_state.json"
+    try:
+        st = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CorruptFileError(f"{p} not found") from None
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(st, dict) or not isinstance(st.get("step"), int) or not isinstance(st.get("position"), int) \
+            or not isinstance(st.get("config"), dict):
+        raise CorruptFileError(f"{p}: missing step / position / config")
+    return st
+
+
+def incomplete(ckpt: Path) -> Optional[str]:
+    """None when ``ckpt`` has everything a resume reads; else why not (one line)."""
+    ckpt = Path(ckpt)
+    try:
+        st = read_state(ckpt)
+    except CorruptFileError as e:
+        return str(e)
+    m = _STEP_RE.match(ckpt.name)
+    if m and int(m.group(1)) != st["step"]:
+        return f"{ckpt}/trainer_state.json says step {st['step']}"
+    world = st.get("world_size", 1)
+    if not isinstance(world, int) or world < 1:
+        return f"{ckpt}/trainer_state.json: world_size={world!r}"
+    ds = ckpt / DS_TAG
+    if not ds.is_dir():
+        return f"{ds} is missing"
+    models = [p for p in ds.glob("*model_states.pt") if p.is_file() and p.stat().st_size > 0]
+    if not models:
+        return f"{ds} holds no model states"
+    zero = int(((st.get("config") or {}).get("train") or {}).get("zero_stage", 0) or 0)
+    for r in range(world):
+        if zero > 0 and not [p for p in ds.glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+                             if p.stat().st_size > 0]:
+            return f"{ds}: the optimizer states of rank {r} are missing"
+        f = rng_file(ckpt, r)
+        if not f.is_file() or f.stat().st_size == 0:
+            old = ckpt / f"rng-rank{r}.pt"
+            why = " (rng-rank*.pt is the pickle format of older versions, which is not loaded)" if old.exists() else ""
+            return f"{f} is missing{why}"
+    return None
+
+
 def find_resume(resume: Optional[str], run_dir) -> Optional[Path]:
-    """``None``: start fresh; ``"auto"``: the latest checkpoint in run_dir (fresh if none); else a path."""
+    """``None``: start fresh; ``"auto"``: the newest complete checkpoint in run_dir (fresh when there
+    is no checkpoint at all; an incomplete newest one is skipped with a warning; none complete is an
+    error); else that checkpoint directory, which must be complete."""
     if not resume:
         return None
     if resume == "auto":
         cks = list_checkpoints(run_dir)
-        return cks[-1] if cks else None
+        skipped = []
+        for c in reversed(cks):
+            why = incomplete(c)
+            if why is None:
+                for s, w in skipped:
+                    _say(f"resume=auto: skipping {s} (incomplete: {w}); resuming from {c}")
+                return c
+            skipped.append((c, why))
+        if cks:
+            raise CorruptFileError(f"resume=auto: no complete checkpoint in {Path(run_dir) / 'checkpoints'}: "
+                                   + "; ".join(f"{c.name}: {w}" for c, w in skipped))
+        return None
     p = Path(resume)
-    if not (p / "trainer_state.json").exists():
-        raise FileNotFoundError(f"resume={resume!r}: {p / 'trainer_state.json'} not found; give a "
-                                f"checkpoints/step-N directory or resume=auto")
+    if not p.is_dir():
+        raise BadInputError(f"resume={resume!r}: not a directory; give a checkpoints/step-N directory or resume=auto")
+    why = incomplete(p)
+    if why is not None:
+        raise CorruptFileError(f"resume={resume!r} is not a complete checkpoint: {why}")
     return p
 
 
+def tidy(run_dir) -> List[str]:
+    """Rank 0, at the start of a run: finish or remove what interrupted checkpoint writes left."""
+    d = Path(run_dir) / "checkpoints"
+    done: List[str] = []
+    if not d.is_dir():
+        return done
+    targets = sorted({m.group(1) for p in d.iterdir() if (m := _LEFTOVER_RE.match(p.name))})
+    for name in targets:
+        done += _fsutil.recover(d / name, say=_say)
+    return done
+
+
+# ----------------------------------------------------------------------------- save / load
 def save(engine, run_dir, step: int, state: Dict[str, Any], keep_last: int, rank: int) -> Path:
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
+    tmp = root / f".{final.name}.tmp-{step:08d}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -82,13 +292,11 @@ def save(engine, run_dir, step: int, state: Dict[str, Any], keep_last: int, rank
         tmp.mkdir()
     _barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
-    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+    save_rng(rng_file(tmp, rank))
     _barrier()
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _fsutil.write_text_atomic(tmp / "trainer_state.json", json.dumps(state, indent=1, default=str))
+        _fsutil.swap_in(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -97,13 +305,16 @@ def save(engine, run_dir, step: int, state: Dict[str, Any], keep_last: int, rank
 
 def load(engine, ckpt: Path, rank: int) -> Dict[str, Any]:
     """Restore engine (module, optimizer, scheduler) and this rank's RNG; returns trainer_state."""
+    ckpt = Path(ckpt)
+    why = incomplete(ckpt)
+    if why is not None:
+        raise CorruptFileError(f"checkpoint {ckpt} is incomplete: {why}")
+    state = read_state(ckpt)
+    make_safe(engine)
     path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_module_strict=True,
                                      load_optimizer_states=engine.optimizer is not None,
                                      load_lr_scheduler_states=engine.lr_scheduler is not None)
     if path is None:
-        raise RuntimeError(f"DeepSpeed found no checkpoint under {ckpt}/{DS_TAG}")
-    state = json.loads((Path(ckpt) / "trainer_state.json").read_text())
-    rng_p = Path(ckpt) / f"rng-rank{rank}.pt"
-    if rng_p.exists():
-        set_rng_state(torch.load(rng_p, weights_only=False))
+        raise CorruptFileError(f"DeepSpeed found no checkpoint under {ckpt}/{DS_TAG}")
+    load_rng(rng_file(ckpt, rank))
     return state

@@ -195,18 +195,54 @@ def register_configs() -> None:
     _STORED = True
 
 
+def _override_message(e: BaseException) -> str:
+    """One line from Hydra's / OmegaConf's multi-line errors: the override, what is wrong, what is allowed."""
+    import re
+    msg = str(e)
+    cause = e.__cause__ or e.__context__
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    head = lines[0] if lines else type(e).__name__
+    m = re.search(r"Could not find '([^']+)'", msg)
+    if m:
+        opts = [ln.strip() for ln in msg.split("Available options", 1)[-1].splitlines()[1:]
+                if ln.startswith("\t") and "provider=" not in ln and ln.strip()]
+        group, _, name = m.group(1).rpartition("/")
+        return f"{group}={name}: no such recipe; allowed: {opts}" if opts else head
+    if cause is not None and str(cause).strip():
+        c = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+        key = next((ln.split(":", 1)[1].strip() for ln in c if ln.startswith("full_key:")), None)
+        detail = c[0]
+        text = head if detail in head else (detail if head in detail else f"{head}: {detail}")
+        return text + (f" (field {key})" if key and key not in text else "")
+    return head
+
+
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
-    """Compose recipes/ with command-line style overrides into a validated RunConfig."""
+    """Compose recipes/ with command-line style overrides into a validated RunConfig. A bad override
+    or value raises exitcodes.UsageError with one line naming the field and what is allowed."""
     from hydra import compose as hcompose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ..exitcodes import UsageError
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        node = hcompose(config_name=config_name, overrides=list(overrides or []))
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
-    return validate(OmegaConf.to_object(node))
+    try:
+        with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+            node = hcompose(config_name=config_name, overrides=list(overrides or []))
+        schema = OmegaConf.structured(RunConfig)
+        OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
+        node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
+        return validate(OmegaConf.to_object(node))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UsageError(_override_message(e)) from None
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def to_dict(cfg: RunConfig) -> Dict[str, Any]:

@@ -36,6 +36,7 @@ from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_loss, lm_metrics
 from ..nn import step_cache
 from ..distill.teachers import (CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm)
 from . import checkpoint as ckpt
+from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
@@ -231,25 +232,6 @@ class _Teacher:
         return contextlib.nullcontext(TopKTeacherOut(t.logprobs.to(device), t.indices.to(device)))
 
 
-def _make_run_dir(cfg: RunConfig, rank: int) -> Path:
-    if cfg.run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg.run_dir = f"runs/{cfg.method.name}-{cfg.quant.name or cfg.quant.weight_format}-{stamp}"
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            obj = [cfg.run_dir]
-            torch.distributed.broadcast_object_list(obj, src=0)
-            cfg.run_dir = obj[0]
-    d = Path(cfg.run_dir)
-    if rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        from omegaconf import OmegaConf
-        tmp = d / ".config.yaml.tmp"
-        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
-        os.replace(tmp, d / "config.yaml")
-    _barrier()
-    return d
-
-
 def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, world: int, device) -> Dict[str, float]:
     """KL to the teacher, CE, perplexity and top-1 agreement on the held-out samples (all ranks)."""
     n = len(samples) if not cfg.train.eval_samples else min(len(samples), cfg.train.eval_samples)
@@ -303,7 +285,9 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     rank, world = _rank_world()
     dev = torch.device(device, int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
     seed_all(t.seed)
-    run_dir = _make_run_dir(cfg, rank)
+    # which directory, whether it may be written, whether a resume is the same run: all checked
+    # before any work (rundir.py); rank 0 writes the run record and config.yaml
+    run_dir, resume_from, decision = rundir.prepare(cfg, rank, world, eval_only)
     t0 = time.time()
 
     # -- data and models
@@ -319,10 +303,15 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     teacher_init = copy.deepcopy(model) if (wants_teacher and not m.teacher_path) else None
 
     quantized = cfg.quant.weight_format not in NO_QUANT
-    resume_from = ckpt.find_resume(cfg.resume, run_dir)
     if quantized:
         Q = quantize_api()
         model = Q.prepare(model, cfg.quant) or model
+        if rank == 0:
+            tot = Q.coverage(model).totals
+            print(f"[qatfactory] quantized {100 * tot['asked_fraction']:.1f}% of the {tot['asked_params']:,} "
+                  f"Linear-like parameters asked for ({tot['bits_per_quantized_param']:.3f} bits each)"
+                  + ("" if tot["asked_fraction"] >= 1.0 else f"; kept as they are: {tot['not_quantized'][:4]}"),
+                  flush=True)
         if m.calibrate and resume_from is None:
             n = min(m.calib_samples, len(train_s))
             calib = [train_s.select([i]) for i in range(n)]
@@ -341,6 +330,10 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         if m.teacher == "cached":
             cache_root = Path(m.teacher_cache or (run_dir / "teacher_cache"))
             for split, s in (("train", train_s), ("eval", eval_s)):
+                if eval_only and not (cache_root / split / "meta.json").exists():
+                    # an evaluation writes nothing but its own result file
+                    raise FileNotFoundError(f"method.teacher=cached: {cache_root / split / 'meta.json'} not found; "
+                                            f"evaluate with the run's teacher cache, or method.teacher=live")
                 # rank 0 alone decides and writes; every rank passes the barrier either way
                 if rank == 0 and not (cache_root / split / "meta.json").exists():
                     lt = LiveTeacher(tmodel, tdtype, dev)
@@ -388,6 +381,8 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     # an eval of a checkpoint leaves the run's own logs alone
     log = RunLogger(run_dir, rank == 0 and not eval_only, t.tensorboard, t.progress,
                     t.max_steps if train_now else 0, logger_start)
+    if decision.get("restart"):
+        log.truncate_after(-1)           # the same run starting over: its old records are redone
     if resume_from is not None:
         log.truncate_after(step)
         if rank == 0:
@@ -463,12 +458,12 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         # ZeRO-3: the last forward can leave prefetched parameters in flight; release them all
         # before _finalize gathers the full weights (GatheredParameters refuses in-flight ones)
         engine.empty_partition_cache()
-        summary.update(_finalize(cfg, student, run_dir, rank, source_dir))
+        summary.update(_finalize(cfg, student, run_dir, rank, source_dir, decision.get("export_dir")))
     if rank == 0:
         name = f"eval-step-{step:06d}.json" if eval_only else "summary.json"
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, run_dir / name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        from .. import _fsutil
+        _fsutil.write_text_atomic(run_dir / name, json.dumps(summary, indent=1, default=str))
         if t.plots and not eval_only:
             plot_curves(run_dir)
         print(summary_text(summary), flush=True)
@@ -484,10 +479,12 @@ class _null:
         return False
 
 
-def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, source_dir) -> Dict[str, Any]:
+def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, source_dir,
+              export_dir: Optional[str] = None) -> Dict[str, Any]:
     """Save the student (quantize.save_student: weights + quantizer state) and, when export.enabled,
     convert() it and hand it to the exporter, then verify the export. Rank 0 does the writing;
-    under ZeRO-3 every rank joins the gather of the full weights first."""
+    under ZeRO-3 every rank joins the gather of the full weights first. A gate that does not PASS
+    moves the export to ``<dir>.FAILED`` with a FAILED.json inside (``summary["verify"]`` says why)."""
     out: Dict[str, Any] = {}
     quantized = cfg.quant.weight_format not in NO_QUANT
     if cfg.export.enabled and not quantized:
@@ -507,7 +504,10 @@ def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, sour
                 from .. import quantize as Q
                 Q.save_student(student.lm, str(sdir))
             elif cfg.train.save_student:
-                student.lm.save_pretrained(str(sdir))   # writes into sdir; plain HF model
+                from .. import _fsutil
+                with _fsutil.atomic_dir(sdir, replace=True, kinds=("student",), what="save_student") as tmp:
+                    student.lm.save_pretrained(str(tmp))   # a plain HF model
+                    (tmp / _fsutil.STUDENT_RECORD).write_text(json.dumps({"quant_config": None, "plain": True}))
             out["student_dir"] = str(sdir)
             if cfg.export.enabled:
                 from .. import quantize as Q
@@ -518,13 +518,49 @@ def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, sour
                 converted = Q.convert(student.lm)
                 if source_dir and converted.source_dir is None:
                     converted.source_dir = source_dir
-                edir = Path(cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
+                edir = Path(export_dir or cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
+                # force replaces only an empty directory or an earlier export of ours (checked
+                # before training too, in rundir.prepare); never a user directory
                 r = export(converted, str(edir), engine=cfg.export.engine, flavour=cfg.export.flavour, force=True)
                 out["export_dir"] = str(r.path)
                 if cfg.export.verify:
                     res = verify(r.path, converted)
-                    out["verify_ok"] = bool(res.ok)
-                    if not res.ok:
-                        print(f"[qatfactory] export verification FAILED: {res.to_dict()}", flush=True)
+                    out["verify"] = gate_summary(res)
+                    out["verify_ok"] = out["verify"]["verdict"] == "PASS"
+                    if not out["verify_ok"]:
+                        out["export_dir"] = str(mark_failed(r.path, out["verify"]))
+                        out["verify"]["moved_to"] = out["export_dir"]
     _barrier()
     return out
+
+
+def gate_summary(res) -> Dict[str, Any]:
+    """Verdict and reasons of an exporters.verify result: ``res.verdict`` (PASS / FAIL / INCOMPLETE)
+    when the gate has it, else PASS exactly when ``res.ok``."""
+    v = getattr(res, "verdict", None)
+    v = v if v in ("PASS", "FAIL", "INCOMPLETE") else ("PASS" if bool(res.ok) else "FAIL")
+    if v != "PASS" and bool(getattr(res, "ok", False)):
+        v = "FAIL"
+    checks = list(getattr(res, "checks", []) or [])
+    bad = [c for c in checks if str(getattr(c, "status", "")).upper() not in ("OK", "SKIP", "PASS")]
+    reasons = [f"{getattr(c, 'tensor', '')}: {getattr(c, 'check', '')}: {getattr(c, 'status', '')}: "
+               f"{getattr(c, 'detail', '')}" for c in bad][:10]
+    if v != "PASS" and not reasons:
+        reasons = [f"{sum(1 for c in checks if str(getattr(c, 'status', '')).upper() == 'SKIP')} required "
+                   f"check(s) did not run" if checks else "no check ran"]
+    return {"verdict": v, "reasons": reasons, "checks": len(checks)}
+
+
+def mark_failed(edir: Path, gate: Dict[str, Any]) -> Path:
+    """Move a failed export out of the way: ``<dir>.FAILED`` with FAILED.json (verdict, reasons)
+    inside, so nothing serves it by its usual path; an earlier ``.FAILED`` of ours is replaced."""
+    from .. import _fsutil
+    edir = Path(edir)
+    failed = edir.with_name(edir.name + ".FAILED")
+    _fsutil.write_text_atomic(edir / "FAILED.json", json.dumps(
+        {"verdict": gate["verdict"], "reasons": gate["reasons"], "exported_as": str(edir),
+         "what": "the parity gate did not PASS on this export; do not serve it (see README, reliability)"},
+        indent=1))
+    _fsutil.check_replaceable(failed, ("export",), "export.out_dir")
+    _fsutil.swap_in(edir, failed)
+    return failed

@@ -40,10 +40,21 @@ class RunLogger:
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop records of steps the resumed run will redo."""
+        """On resume: drop records of steps the resumed run will redo (and a line torn by a kill,
+        which is named and dropped)."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
+        keep = []
+        for i, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            rec = _parse(line)
+            if rec is None:
+                print(f"[qatfactory] {self.path}:{i}: not a JSON record (torn by an interrupted write?); dropped",
+                      flush=True)
+                continue
+            if rec.get("step", 0) <= step:
+                keep.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(l + "\n" for l in keep))
         os.replace(tmp, self.path)
@@ -71,11 +82,20 @@ class RunLogger:
             self.tb.close()
 
 
+def _parse(line: str):
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def read_metrics(run_dir) -> List[Dict]:
+    """The records of metrics.jsonl; a line that does not parse (torn by a kill) is skipped."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():
         return []
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return [r for r in (_parse(l) for l in p.read_text(errors="replace").splitlines() if l.strip()) if r is not None]
 
 
 def plot_curves(run_dir) -> List[Path]:
@@ -121,4 +141,16 @@ def summary_text(summary: Dict) -> str:
             fa = "-" if a is None else f"{a:.5g}"
             fb = "-" if b is None else f"{b:.5g}"
             lines.append(f"{'eval/' + k:14s}{fa:>12s}{fb:>12s}")
+    if summary.get("student_dir"):
+        lines.append(f"student: {summary['student_dir']}")
+    v = summary.get("verify")
+    if summary.get("export_dir"):
+        if v is None:
+            lines.append(f"export: {summary['export_dir']} (not verified: export.verify=false)")
+        elif v["verdict"] == "PASS":
+            lines.append(f"export: {summary['export_dir']}  parity gate PASS ({v['checks']} checks)")
+        else:
+            lines.append(f"export: parity gate {v['verdict']}: the export was moved to {summary['export_dir']} "
+                         f"(FAILED.json inside); do not serve it. Why:")
+            lines += [f"  {r}" for r in v["reasons"]]
     return "\n".join(lines)

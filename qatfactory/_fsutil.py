@@ -1,0 +1,239 @@
+"""Directories written atomically, and replaced only when they are provably ours.
+
+A leaf module (the standard library and exitcodes only; safetensors imported where used), so every layer may import it: exporters, quantize's
+save_student, the trainer's checkpoints and run directories.
+
+"Provably ours" means the directory holds the record its writer leaves in it:
+
+    export   qatfactory.json with "qatfactory_export"   (exporters.base.export)
+    student  qatfactory_quant.json                       (quantize.save_student)
+    run      qatfactory_run.json with "qatfactory_run"   (the trainer's run directory)
+
+or is empty. Anything else is somebody else's and is never deleted or replaced.
+
+A write goes to ``.<name>.tmp-XXXXXXXX`` beside the target and is renamed into place; a replace
+renames the old target to ``.<name>.old-XXXXXXXX`` first and deletes it after the swap, so a kill at
+any moment leaves either the old or the new directory complete. :func:`recover` (called before each
+write) puts an ``.old-*`` back when the swap was cut between its two renames and removes the
+leftovers of interrupted writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Sequence
+
+from .exitcodes import BAD_INPUT, CorruptFileError
+
+EXPORT_RECORD = "qatfactory.json"
+STUDENT_RECORD = "qatfactory_quant.json"
+RUN_RECORD = "qatfactory_run.json"
+KINDS = ("export", "student", "run")
+
+
+class NotOursError(FileExistsError):
+    """A directory that qatfactory did not write (or one it must not replace) is in the way.
+    Exit code 4 (BAD_INPUT): nothing was changed."""
+
+    exit_code = BAD_INPUT
+
+
+def load_safetensors(path, device: str = "cpu"):
+    """safetensors.torch.load_file with the file named in the error: a truncated or garbled file
+    raises CorruptFileError (exit code 4) instead of safetensors' bare 'incomplete metadata'."""
+    from safetensors.torch import load_file
+    p = Path(path)
+    if not p.is_file():
+        raise CorruptFileError(f"{p}: file not found")
+    try:
+        return load_file(str(p), device=device)
+    except Exception as e:  # SafetensorError, OSError, ValueError from a damaged header
+        raise CorruptFileError(f"{p}: not a readable safetensors file ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is truncated "
+                               f"or damaged: write it again") from None
+
+
+def _has_json_key(p: Path, key: str) -> bool:
+    try:
+        with open(p) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and key in d
+
+
+def kind_of(path) -> Optional[str]:
+    """'missing', 'empty', 'export', 'student', 'run', or None (exists, not ours: leave it alone).
+    A symlink is never ours (replacing it would act on whatever it points at)."""
+    p = Path(path)
+    if p.is_symlink():
+        return None
+    if not p.exists():
+        return "missing"
+    if not p.is_dir():
+        return None
+    if not any(p.iterdir()):
+        return "empty"
+    if (p / EXPORT_RECORD).is_file() and not (p / EXPORT_RECORD).is_symlink() and \
+            _has_json_key(p / EXPORT_RECORD, "qatfactory_export"):
+        return "export"
+    if (p / STUDENT_RECORD).is_file() and not (p / STUDENT_RECORD).is_symlink():
+        return "student"
+    if (p / RUN_RECORD).is_file() and not (p / RUN_RECORD).is_symlink() and \
+            _has_json_key(p / RUN_RECORD, "qatfactory_run"):
+        return "run"
+    return None
+
+
+_DESCRIBE = {"export": "a qatfactory export", "student": "a qatfactory student directory (save_student)",
+             "run": "a qatfactory run directory (checkpoints, student, metrics)", None: "not written by qatfactory"}
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """True when a is b or lies under b (both resolved)."""
+    try:
+        a.relative_to(b)
+        return True
+    except ValueError:
+        return False
+
+
+def check_replaceable(target, kinds: Sequence[str], what: str, protect: Iterable = ()) -> str:
+    """Raise NotOursError unless ``target`` is missing, empty, or of one of ``kinds``; and unless it
+    neither is nor contains any path of ``protect`` (the source a write is made from). Returns
+    the kind found. Never changes anything."""
+    t = Path(target)
+    k = kind_of(t)
+    rt = Path(os.path.realpath(t))
+    for p in protect:
+        if p is None:
+            continue
+        rp = Path(os.path.realpath(p))
+        if _inside(rp, rt):
+            raise NotOursError(f"{what}: {t} is or contains {p}, the source this {what} is made from; "
+                               f"it is never replaced. Choose another output directory")
+    if k in ("missing", "empty") or k in kinds:
+        return k
+    if Path(t).is_symlink():
+        raise NotOursError(f"{what}: {t} is a symbolic link; it is not replaced. Remove it or choose another "
+                           f"output directory")
+    if t.exists() and not t.is_dir():
+        raise NotOursError(f"{what}: {t} is a file, not a directory; it is not replaced. Remove it or choose "
+                           f"another output directory")
+    allowed = " or ".join(_DESCRIBE[x] for x in kinds)
+    raise NotOursError(f"{what}: {t} is not empty and is {_DESCRIBE.get(k, _DESCRIBE[None])}; only an empty "
+                       f"directory or {allowed} may be replaced. Nothing was changed: remove it yourself or "
+                       f"choose another output directory")
+
+
+def _leftovers(target: Path, tag: str) -> List[Path]:
+    pat = re.compile(r"^\." + re.escape(target.name) + r"\." + tag + r"-[A-Za-z0-9_]{8}$")
+    parent = target.parent
+    if not parent.is_dir():
+        return []
+    return sorted((p for p in parent.iterdir() if pat.match(p.name) and p.is_dir() and not p.is_symlink()),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def recover(target, say=None) -> List[str]:
+    """Tidy what an interrupted write of ``target`` left beside it; returns what was done.
+
+    * target missing and an ``.old-*`` present: the swap stopped between its two renames; the newest
+      ``.old-*`` is the last complete version and is renamed back.
+    * ``.tmp-*``: an unfinished write, deleted.
+    * ``.old-*`` with the target present: a finished swap whose clean-up was cut, deleted."""
+    target = Path(target)
+    say = say or (lambda m: print(f"[qatfactory] {m}", file=sys.stderr, flush=True))
+    done: List[str] = []
+    olds = _leftovers(target, "old")
+    if olds and not target.exists() and not target.is_symlink():
+        os.rename(olds[-1], target)
+        done.append(f"restored {target} from {olds[-1].name} (a replace was interrupted)")
+        olds = olds[:-1]
+    for p in _leftovers(target, "tmp") + olds:
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed {p} (left by an interrupted write of {target.name})")
+    for m in done:
+        say(m)
+    return done
+
+
+def fsync_dir(path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def swap_in(tmp, target) -> None:
+    """Rename the finished ``tmp`` to ``target``; an existing target is moved aside first and deleted
+    after the swap (both renames stay inside one directory, so each is atomic)."""
+    tmp, target = Path(tmp), Path(target)
+    if target.exists() or target.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rmdir(old)
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)      # put the previous version back
+            raise
+        fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+
+
+@contextmanager
+def atomic_dir(target, replace: bool = False, kinds: Sequence[str] = ("export",), what: str = "write",
+               protect: Iterable = ()) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``target``; on success swap it in; on error delete it.
+
+    An existing target is replaced only with ``replace=True`` and only when it is empty or of one of
+    ``kinds`` (checked before and again right before the swap); otherwise NotOursError."""
+    target = Path(target)
+    protect = list(protect)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover(target)
+    k = check_replaceable(target, kinds, what, protect)
+    if k != "missing" and not replace:
+        raise NotOursError(f"{what}: {target} already exists; pass force=True (CLI: --force) to replace it")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        k = check_replaceable(target, kinds, what, protect)
+        if k != "missing" and not replace:
+            raise NotOursError(f"{what}: {target} appeared while writing; not replacing it without force")
+        swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write a small file through a temporary file and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
