@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11,
-              "q4_k": 12, "q5_k": 13, "q6_k": 14, "mxfp4": 39, "nvfp4": 40}
+              "q4_k": 12, "q5_k": 13, "q6_k": 14, "tq1_0": 34, "tq2_0": 35, "mxfp4": 39, "nvfp4": 40}
 # (block elements, bytes per block)
 GGML_SIZES = {"q5_0": (32, 22), "q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210),
               "mxfp4": (32, 17), "nvfp4": (64, 36)}

@@ -9,7 +9,7 @@ from .converted import ConvertedModel  # noqa: F401
 # one import per format file; each file ends with its register(...) lines
 import importlib as _importlib
 
-for _mod in ("nvfp4", "mxfp4", "q4_k", "q5_0", "q6_k", "q8_0", "nvfp4_ggml"):
+for _mod in ("nvfp4", "mxfp4", "q4_k", "q5_0", "q6_k", "q8_0", "nvfp4_ggml", "intgrid"):
     try:
         _importlib.import_module(f"{__name__}.{_mod}")
     except ModuleNotFoundError as _e:  # a format file not written yet
