@@ -34,6 +34,7 @@ from .nn.experts import QuantExpertsMixin, check_supported, is_fused_experts, ma
 from .nn.fake_quant import ActQuantizer, WeightQuantizer, has_global_scale, quant_kwargs, scale_grid
 from .nn.linear import QuantLinear
 from .nn.lora import LoRA
+from .nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES, LowBitQuantizer
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
 CALIB_METHODS = ("max", "mse", "four_over_six")
@@ -94,6 +95,8 @@ class QuantConfig:
     * ``scale_strategy``: dynamic | frozen | learnable; ``calib_method``: max | mse | four_over_six.
     * ``share_fused_scales``: q/k/v, gate/up and per-expert gate/up share one per-tensor scale,
       as vLLM/SGLang fuse them at load.
+    * ``lowbit_grad``: the scale gradient of the ParetoQ grids (int4_lsq ... binary_sign): ``released``
+      (ParetoQ's code, ternary quirk included) or ``clean`` (ternary clipped-region gradient 2/3).
     * ``min_coverage``: the smallest fraction of the Linear-like parameters asked for (targeted and
       not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
       that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
@@ -113,6 +116,7 @@ class QuantConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     name: str = ""
     min_coverage: float = 0.5
+    lowbit_grad: str = "released"
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -125,6 +129,7 @@ class QuantConfig:
         _check_choice("QuantConfig.scale_strategy", self.scale_strategy, SCALE_STRATEGIES)
         _check_choice("QuantConfig.calib_method", self.calib_method, CALIB_METHODS)
         _check_choice("QuantConfig.ste", self.ste, STE_MODES)
+        _check_choice("QuantConfig.lowbit_grad", self.lowbit_grad, LOWBIT_GRAD_RULES)
         if isinstance(self.min_coverage, bool) or not isinstance(self.min_coverage, (int, float)) or \
                 not 0.0 <= float(self.min_coverage) <= 1.0:
             raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
@@ -265,7 +270,7 @@ def _check_act_format(fld: str, name: str) -> None:
 
 # children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
-_QUANT_STATE_TYPES = (WeightQuantizer, ActQuantizer, LoRA)
+_QUANT_STATE_TYPES = (WeightQuantizer, LowBitQuantizer, ActQuantizer, LoRA)
 
 
 class CoverageError(ValueError):
@@ -449,6 +454,9 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
         _build_groups(model, cfg)
         if cfg.lora.rank:
             _add_lora(model, cfg)
+        for m in model.modules():
+            if isinstance(m, LowBitQuantizer):
+                m.grad_rule = cfg.lowbit_grad
         _init_scale_state(model, "max")
         model._qf_config = cfg
         rep = coverage(model).raise_if_errors()
@@ -539,6 +547,12 @@ def _sites(model):
 @torch.no_grad()
 def _init_scale_state(model, method: str) -> None:
     for name, q, w3, amax in _sites(model):
+        if isinstance(q, LowBitQuantizer):      # the ParetoQ grids initialise their own scales
+            try:
+                q.init_state(w3, method)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            continue
         if q.strategy == "dynamic":
             if method != "max":
                 raise ValueError(f"calibrate: method={method!r} produces fixed block scales, but {name} uses "
@@ -627,6 +641,22 @@ def _imatrix_hook(acc):
         acc[0] += (x2 * x2).sum(0)
         acc[1] += x2.shape[0]
     return hook
+
+
+def set_quantization(model: nn.Module, enabled: bool) -> int:
+    """Switch the fake quantization of every QuantLinear on or off (off: the plain linear on the latent
+    weights, the full-precision phase of ``train.quant_start``). Quantizer state is kept either way.
+    Returns the number of modules switched; fused experts have no off switch and refuse."""
+    if getattr(model, "_qf_config", None) is None:
+        raise ValueError("set_quantization: the model is not prepared")
+    if not enabled and _quant_experts(model):
+        raise NotImplementedError("set_quantization(False): fused 3-D experts cannot run unquantized here; "
+                                  "train.quant_start supports dense models")
+    n = 0
+    for _, m in _quant_linears(model):
+        m.quant_enabled = bool(enabled)
+        n += 1
+    return n
 
 
 def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> Dict[str, Any]:

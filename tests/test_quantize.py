@@ -414,7 +414,7 @@ def _weight_formats():
 def test_every_registered_weight_format_converts_exactly(tmp_path, fname):
     from qatfactory.nn.fake_quant import scale_grid
     fmt = get_format(fname)
-    hidden = 256 if fmt.spec.super_block > 64 else 64
+    hidden = 256 if max(fmt.spec.super_block, fmt.spec.block_size) > 64 else 64
     strategy = "frozen" if scale_grid(fmt) else "dynamic"
     m = tiny("qwen3", hidden=hidden, inter=hidden, layers=1)
     prepare(m, QuantConfig(weight_format=fname, scale_strategy=strategy))

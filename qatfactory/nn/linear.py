@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import step_cache
-from .fake_quant import ActQuantizer, WeightQuantizer
+from .fake_quant import ActQuantizer
 from .lora import LoRA
+from .lowbit import make_weight_quantizer
 
 _INF = float("inf")
 
@@ -31,8 +32,8 @@ class QuantLinear(nn.Module):
         self.bias = linear.bias
         self.qname = name
         dev = self.weight.device
-        self.weight_quant = WeightQuantizer(weight_format, strategy, (1, self.out_features, self.in_features), ste,
-                                            device=dev)
+        self.weight_quant = make_weight_quantizer(weight_format, strategy, (1, self.out_features, self.in_features),
+                                                  ste, device=dev)
         self.input_quant = ActQuantizer(act_format, device=dev) if act_format else None
         if self.input_quant is not None:
             self.input_quant.owner = name
@@ -40,6 +41,8 @@ class QuantLinear(nn.Module):
         self._group: List["QuantLinear"] = [self]     # plain list: peers are not submodules
         # recompute fq(W), fq(x) in backward instead of saving them: None = when the CUDA kernels run
         self.recompute_fq: Optional[bool] = None
+        # False: the plain linear (the full-precision phase of train.quant_start; quantize.set_quantization)
+        self.quant_enabled = True
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -110,6 +113,8 @@ class QuantLinear(nn.Module):
         return ok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.quant_enabled:
+            return F.linear(x, self.merged_weight(), self.bias)
         if (torch.is_grad_enabled() and self.lora is None and self.weight_quant.strategy != "learnable"
                 and not (self.input_quant is not None and self.input_quant.calibrating)
                 and (x.requires_grad or self.weight.requires_grad) and self.recompute_in_backward()):
