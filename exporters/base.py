@@ -477,7 +477,10 @@ def is_ggml_variant(spec: FormatSpec) -> bool:
 
 def safetensors_layout(spec: FormatSpec) -> Optional[str]:
     """'nvfp4' / 'mxfp4' when the spec stores pairs-packed E2M1 codes with the scale codec the
-    safetensors containers hold, else None."""
+    safetensors containers hold; 'int4' for a format whose codes and scales are compressed-tensors'
+    int4 ``pack-quantized`` (the 4-bit LSQ grid of intgrid.py, also a GGUF Q4_0 format); else None."""
+    if getattr(get_format(spec.name), "compressed_tensors", None) == "pack-quantized":
+        return "int4"
     if spec.element != "e2m1" or is_ggml_variant(spec) or spec.role == "activation":
         return None
     if spec.block_size == 16 and spec.scale_codec == "e4m3" and spec.global_scale is not None:

@@ -6,6 +6,8 @@
 Tensor data per packed weight ``[out, in]`` (ggml ``ne = {in, out}``; experts ``{in, out, E}``)::
 
     q4_k / q5_0 / q6_k / q8_0 / mxfp4_ggml / nvfp4_ggml   format.to_bytes(p): the GGUF blocks as is
+    int4_lsq / int3_lsq / int2_seq / ternary_seq / ...    (formats/intgrid.py) likewise: Q4_0 / Q3_K / Q2_K /
+                                                          TQ2_0 / TQ1_0 blocks
     nvfp4 (ModelOpt numerics)  -> GGML NVFP4 (type 40), 36 B per 64:  [4 x UE4M3 (e4m3 & 0x7F)]
                                   [4 x 8 B: byte j = code[j] | code[j+8] << 4 inside each 16]
                                   + F32 ``<name>.scale`` = S (amax/2688; [E] for _exps), multiplied
@@ -41,7 +43,8 @@ from .base import (ExportError, Exporter, activation_mode, act_decode_scale, cop
                    module_of, register_exporter, safetensors_layout, spec_of, ties_embeddings, tied_duplicates)
 
 GGUF_NAME = "model.gguf"
-SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml (GGUF blocks as trained); nvfp4 (ModelOpt numerics, "
+SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml and the low-bit grids int4_lsq ... binary_sign "
+             "(GGUF blocks as trained: Q4_0, Q3_K, Q2_K, TQ2_0, TQ1_0); nvfp4 (ModelOpt numerics, "
              "repacked to GGML NVFP4 + .scale); mxfp4/mxfp4_rceil/mxfp4_even (repacked to GGML MXFP4 when the "
              "decoded values are identical)")
 
@@ -201,7 +204,9 @@ def packed_to_gguf(name: str, p: PackedTensor) -> Tuple[np.ndarray, int, Optiona
 
 
 _FILE_TYPE = {12: "MOSTLY_Q4_K_M", 6: "MOSTLY_Q5_0", 14: "MOSTLY_Q6_K", 8: "MOSTLY_Q8_0",
-              39: "MOSTLY_MXFP4_MOE", 40: "MOSTLY_NVFP4"}
+              39: "MOSTLY_MXFP4_MOE", 40: "MOSTLY_NVFP4",
+              # the low-bit grids of formats/intgrid.py (their to_bytes are these GGUF blocks)
+              2: "MOSTLY_Q4_0", 11: "MOSTLY_Q3_K_M", 10: "MOSTLY_Q2_K", 35: "MOSTLY_TQ2_0", 34: "MOSTLY_TQ1_0"}
 
 
 # ------------------------------------------------------------------------------ tokenizer

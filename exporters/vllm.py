@@ -16,6 +16,15 @@ compressed-tensors (``nvfp4-pack-quantized`` | ``mxfp4-pack-quantized``)::
     <m>.weight_global_scale  float32 [1]   G_w = 1/S_w, a DIVISOR (NVFP4 only)
     <m>.input_global_scale   float32 [1]   G_a = 1/S_a (NVFP4 W4A4 only; MX activations are dynamic)
 
+compressed-tensors int4 W4A16 (``"format": "pack-quantized"``; the 4-bit LSQ grids int4_lsq,
+int4_lsq_g32, int4_lsq_g128 of formats/intgrid.py)::
+
+    <m>.weight_packed  int32  [out, in/8]   code + 8 (0..15), element i at bits 4*(i % 8) of word i // 8
+    <m>.weight_scale   [out, 1] (channel) | [out, in/group] (group), in the model's dense dtype: the fp16
+                       scale d as is, refused when that dtype cannot hold it exactly (bf16 keeps 8 bits)
+    <m>.weight_shape   int64 [2]   (out, in)
+    decode: code * weight_scale (compressed-tensors ``PackedQuantizationCompressor``, in the scale dtype)
+
 Sources: vLLM 0.33 ``quantization/modelopt.py`` and ``compressed_tensors/``; ModelOpt 0.47
 ``export/unified_export_hf.py``; compressed-tensors 0.20.1 ``compressors/nvfp4``, ``mxfp4``
 (facts collected in shared/reference/exporters.md sections 2-4). Experts are written per expert
@@ -36,11 +45,12 @@ from .base import (ExportError, Exporter, activation_mode, act_decode_scale, che
                    ties_embeddings, tied_duplicates, write_json, EMBED, LM_HEAD)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
-CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
 SUPPORTED = {
     "modelopt": "NVFP4 (nvfp4), W4A4 with an NVFP4 activation format or W4A16",
     "compressed-tensors": "NVFP4 (nvfp4) W4A4/W4A16 and MXFP4 (mxfp4, mxfp4_rceil, mxfp4_even: any OCP-MX "
-                          "scale rule, the container stores only the exponent byte) W4A4/W4A16",
+                          "scale rule, the container stores only the exponent byte) W4A4/W4A16; int4 W4A16 "
+                          "pack-quantized (int4_lsq per channel, int4_lsq_g32 / int4_lsq_g128 per group)",
 }
 
 
@@ -77,7 +87,7 @@ class SafetensorsExporter(Exporter):
     # ---------------------------------------------------------------- checks
     def layout_for(self, converted: ConvertedModel, flavour: str) -> str:
         """'nvfp4' or 'mxfp4' for the whole checkpoint, or a refusal saying why."""
-        layouts = set()
+        layouts, schemes = set(), set()
         for name, p in converted.packed.items():
             spec = spec_of(p)
             lay = safetensors_layout(spec)
@@ -91,6 +101,9 @@ class SafetensorsExporter(Exporter):
                 raise NotImplementedError(
                     f"{self.engine}/{flavour} exporter does not support format {p.format!r} (tensor {name}); "
                     f"supported: {SUPPORTED[flavour]}")
+            if lay == "int4" and flavour == "modelopt":
+                raise _format_error(self.engine, flavour, p.format, "the ModelOpt container written here holds "
+                                    "NVFP4 only; use flavour='compressed-tensors' (int4 pack-quantized W4A16)")
             if lay == "mxfp4" and flavour == "modelopt":
                 raise _format_error(
                     self.engine, flavour, p.format,
@@ -98,14 +111,24 @@ class SafetensorsExporter(Exporter):
                     "FP8 variants, NVFP4, W4A16_NVFP4, MXFP8); use flavour='compressed-tensors' "
                     "(mxfp4-pack-quantized) instead")
             layouts.add(lay)
+            if lay == "int4":
+                if p.codes.dtype != torch.int8 or p.codes.ndim != 2 or p.codes.shape[-1] % 8:
+                    raise ExportError(f"{name}: int4 codes must be a 2-D int8 tensor [out, in] with in % 8 == 0, "
+                                      f"got {p.codes.dtype} {tuple(p.codes.shape)}")
+                schemes.add(_int4_scheme(p))
+                continue
             if p.codes.dtype != torch.uint8 or p.codes.ndim != 2:
                 raise ExportError(f"{name}: packed codes must be a 2-D uint8 tensor [out, in/2] (experts per "
                                   f"expert), got {p.codes.dtype} {tuple(p.codes.shape)}")
         if not layouts:
             raise ExportError(f"{self.engine}: the converted model has no packed tensors; nothing is quantized")
         if len(layouts) > 1:
-            raise ExportError(f"{self.engine}/{flavour}: one checkpoint mixes NVFP4 and MXFP4 tensors; "
-                              f"vLLM reads one quantization scheme per checkpoint here. Use one format.")
+            raise ExportError(f"{self.engine}/{flavour}: one checkpoint mixes {' and '.join(sorted(layouts))} "
+                              f"tensors; vLLM reads one quantization scheme per checkpoint here. Use one format.")
+        if len(schemes) > 1:
+            raise ExportError(f"{self.engine}/{flavour}: int4 tensors with different scale groupings "
+                              f"{sorted(schemes, key=str)} (channel / group sizes); the checkpoint holds one "
+                              f"weight scheme here. Use one of int4_lsq, int4_lsq_g32, int4_lsq_g128.")
         return layouts.pop()
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
@@ -113,6 +136,13 @@ class SafetensorsExporter(Exporter):
         check_fused_scales(converted)
         tied_duplicates(converted)
         mode = activation_mode(converted)
+        if lay == "int4":
+            if mode == "w4a4":
+                raise ExportError(f"{self.engine}/{flavour}: int4 pack-quantized is weight-only (W4A16); drop the "
+                                  f"activation format")
+            sdt = _int4_scale_dtype(converted)
+            for name, p in converted.packed.items():
+                _int4_scale(name, p, sdt)
         if mode == "w4a4":
             for m, af in converted.act_formats.items():
                 aspec = spec_of_name(af)
@@ -145,6 +175,10 @@ class SafetensorsExporter(Exporter):
                 tensors[m + ".weight_scale_2"] = _f32_scalar(p.global_scale)
                 if mode == "w4a4":
                     tensors[m + ".input_scale"] = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
+            elif lay == "int4":
+                tensors[m + ".weight_packed"] = pack_int4(p.codes)
+                tensors[m + ".weight_scale"] = _int4_scale(name, p, _int4_scale_dtype(converted))
+                tensors[m + ".weight_shape"] = torch.tensor(list(p.shape), dtype=torch.int64)
             else:
                 tensors[m + ".weight_packed"] = p.codes
                 if lay == "nvfp4":
@@ -179,7 +213,7 @@ class SafetensorsExporter(Exporter):
             write_json(out / "hf_quant_config.json", hf_quant)
             files.append("hf_quant_config.json")
         else:
-            qc = self._ct_config(lay, mode, exclude)
+            qc = self._ct_config(lay, mode, exclude, next(iter(converted.packed.values())))
         cfg["quantization_config"] = qc
         write_json(out / "config.json", cfg)
         files.append("config.json")
@@ -188,7 +222,9 @@ class SafetensorsExporter(Exporter):
                  "tied_embeddings": bool(cfg.get("tie_word_embeddings")),
                  "untied_lm_head_copy": bool(untie),
                  "global_scale_convention": ("multiply (S = amax/2688)" if flavour == "modelopt" else
-                                             "divide (G = 1/S)" if lay == "nvfp4" else "none (E8M0 only)")}
+                                             "divide (G = 1/S)" if lay == "nvfp4" else
+                                             "none (one scale per row / group)" if lay == "int4" else
+                                             "none (E8M0 only)")}
         return files, extra
 
     @staticmethod
@@ -209,8 +245,13 @@ class SafetensorsExporter(Exporter):
         return qc, hf_quant
 
     @staticmethod
-    def _ct_config(lay: str, mode: str, exclude: List[str]) -> Dict[str, Any]:
-        if lay == "nvfp4":
+    def _ct_config(lay: str, mode: str, exclude: List[str], p0=None) -> Dict[str, Any]:
+        if lay == "int4":
+            strategy, group = _int4_scheme(p0)
+            w = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": strategy, "group_size": group,
+                 "dynamic": False, "actorder": None, "observer": "minmax"}
+            a = None
+        elif lay == "nvfp4":
             w = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
                  "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
             a = dict(w, dynamic="local", observer="static_minmax")
@@ -224,6 +265,41 @@ class SafetensorsExporter(Exporter):
                                               "input_activations": a if mode == "w4a4" else None,
                                               "output_activations": None, "format": fmt}},
                 "ignore": list(exclude), "kv_cache_scheme": None}
+
+
+# ------------------------------------------------------------------------------ int4 pack-quantized
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes -8..7 [out, in] -> int32 [out, in/8]: code + 8, element i at bits 4*(i % 8) of word i // 8
+    (compressed-tensors' dense int32 packing, read back with its ``unpack_from_int32`` in the gate)."""
+    u = (codes.to(torch.int64) + 8).reshape(codes.shape[0], -1, 8)
+    if bool((u < 0).any()) or bool((u > 15).any()):
+        raise ExportError("int4 codes outside -8..7")
+    sh = torch.arange(0, 32, 4, dtype=torch.int64)
+    w = (u << sh).sum(-1)                                          # 0 .. 2^32 - 1, disjoint nibbles
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def _int4_scheme(p):
+    from qatfactory.formats import get_format
+    g = get_format(p.format).group
+    return ("group", int(g)) if g else ("channel", None)
+
+
+def _int4_scale_dtype(converted: ConvertedModel) -> torch.dtype:
+    return getattr(torch, _dtype_name(converted))
+
+
+def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
+    """The fp16 engine scales in the dtype vLLM loads them into (the model's), refused when inexact."""
+    d = p.scales.float()
+    s = d.to(dtype)
+    if not torch.equal(s.float(), d):
+        n = int((s.float() != d).sum())
+        raise ExportError(f"{name}: {n} of its int4 scales (fp16 values) are not exact in the model dtype "
+                          f"{str(dtype)[6:]}, into which vLLM loads weight_scale; the engine would run other "
+                          f"weights than the student. Train with int4_lsq_bf16 / int4_lsq_g128_bf16 (scales on the bf16 "
+                          f"grid), in float16/float32, or export to llama.cpp (Q4_0 stores fp16 scales as they are)")
+    return s.contiguous()
 
 
 def spec_of_name(fmt: str):

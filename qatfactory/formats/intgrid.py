@@ -29,6 +29,8 @@ alpha is tied to d so that ParetoQ's own forward (``q_w * alpha``) gives exactly
     ternary SEQ     d = fp16(fl(C alpha))        alpha = fl(d / C)    C = fl32(1/1.5), ParetoQ's level 2/3:
                                                  fl(C * fl(d / C)) == d for every positive fp16 d (tested)
 
+(``int4_lsq_bf16`` / ``int4_lsq_g128_bf16``: d on bf16's grid, 8 significant bits, which fp16 holds too:
+the scales a bf16 model loads for compressed-tensors int4 without rounding)
 so ``quantize(x, scales=d)`` decides codes with that alpha, and training rounds a learned alpha onto
 this grid (nn/lowbit.py). Alphas are clamped to fp16's finite range; if the floor at 1e-5 would move
 alpha, d goes one fp16 step up.
@@ -65,18 +67,30 @@ EPS = np.float32(1e-5)                  # ParetoQ: alpha = where(alpha > 1e-5, a
 CLIP = np.float32(0.99)                 # SEQ clip, 1 - 1e-2
 C23 = np.float32(1) / np.float32(1.5)   # fl32(1/1.5): ParetoQ's ternary level q / 1.5
 FP16_MAX = np.float32(65504.0)
+BF16_FP16_MAX = np.float32(65280.0)    # the largest bf16 value fp16 holds
 FAMILIES = ("lsq", "seq2", "ternary", "sign")
 _INIT = {"lsq": "max|W| / Qp", "seq2": "max|W|", "ternary": "max|W|", "sign": "mean|W|"}
+
+
+def _bf16_np(v: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bfloat16 (RNE) as float32, for finite inputs (torch's .bfloat16())."""
+    b = np.asarray(v, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.astype(np.uint32).view(np.float32)
 
 
 class IntGrid(CheckedInput, Format):
     """One grid family x one GGUF layout x per-row or per-group scales (see the module docstring)."""
 
-    def __init__(self, spec: FormatSpec, family: str, qn: int, qp: int, layout: str, group: int = 0):
+    def __init__(self, spec: FormatSpec, family: str, qn: int, qp: int, layout: str, group: int = 0,
+                 grid: str = "fp16"):
         super().__init__(spec)
         if family not in FAMILIES:
             raise ValueError(f"IntGrid family {family!r}; allowed: {FAMILIES}")
+        if grid not in ("fp16", "bf16") or (grid == "bf16" and family != "lsq"):
+            raise ValueError(f"IntGrid scale grid {grid!r}; allowed: 'fp16', or 'bf16' for LSQ grids")
         self.family, self.qn, self.qp, self.layout, self.group = family, qn, qp, layout, group
+        self.grid = grid      # bf16: d on bf16's grid (8 significant bits), still stored as fp16
         self.scale_floor = float(EPS)   # the least alpha ParetoQ's forward uses
 
     # ---------------------------------------------------------------- shapes
@@ -111,6 +125,14 @@ class IntGrid(CheckedInput, Format):
             t = (C23 * a).astype(np.float32)
         else:
             t = a
+        if self.grid == "bf16":
+            d = _bf16_np(np.minimum(t, BF16_FP16_MAX)).astype(np.float16)
+            for _ in range(2):
+                low = self.alpha_of_d_np(d) <= EPS
+                up = (d.astype(np.float32).view(np.uint32) + np.uint32(1 << 16)).view(np.float32)
+                with np.errstate(over="ignore"):       # rows that are not bumped may overflow here
+                    d = np.where(low, up.astype(np.float16), d)
+            return d
         d = np.minimum(t, FP16_MAX).astype(np.float16)
         for _ in range(2):
             low = self.alpha_of_d_np(d) <= EPS
@@ -138,6 +160,12 @@ class IntGrid(CheckedInput, Format):
             t = torch.full((), float(C23), dtype=torch.float32, device=a.device) * a
         else:
             t = a
+        if self.grid == "bf16":
+            d = t.clamp(max=float(BF16_FP16_MAX)).bfloat16().half()
+            for _ in range(2):
+                low = self.alpha_of_d(d) <= eps
+                d = torch.where(low, (d.bfloat16().view(torch.int16) + 1).view(torch.bfloat16).half(), d)
+            return d
         d = t.clamp(max=float(FP16_MAX)).half()
         for _ in range(2):
             low = self.alpha_of_d(d) <= eps
@@ -340,10 +368,12 @@ _ELEMENT = {"lsq": "int", "seq2": "int2_seq", "ternary": "ternary", "sign": "bin
 
 
 def _grid(name: str, family: str, qn: int, qp: int, layout: str, group: int = 0, fallback: Optional[str] = None,
-          ct: Optional[str] = None, note: str = "") -> IntGrid:
+          ct: Optional[str] = None, note: str = "", grid: str = "fp16") -> IntGrid:
     sb, bpb = LB.SIZES[layout]
     d_rule = {"lsq": "d = fp16(alpha)", "sign": "d = fp16(alpha)", "seq2": "d = fp16(alpha/4)",
               "ternary": "d = fp16(fl(alpha * fl(1/1.5)))"}[family]
+    if grid == "bf16":
+        d_rule = "d = bf16(alpha) (8 significant bits, exact in fp16 and bf16)"
     init = _INIT[family].replace("Qp", str(qp))
     element = _ELEMENT[family] + (str(int(np.log2(qp - qn + 1))) if family == "lsq" else "")
     spec = FormatSpec(
@@ -367,7 +397,7 @@ def _grid(name: str, family: str, qn: int, qp: int, layout: str, group: int = 0,
         symmetric=True,
         notes=note,
     )
-    g = IntGrid(spec, family, qn, qp, layout, group)
+    g = IntGrid(spec, family, qn, qp, layout, group, grid)
     g.compressed_tensors = ct
     return g
 
@@ -379,6 +409,12 @@ INT4_LSQ_G32 = register(_grid("int4_lsq_g32", "lsq", -8, 7, "q4_0", group=32, ct
                               note="compressed-tensors int4 pack-quantized W4A16, group 32"))
 INT4_LSQ_G128 = register(_grid("int4_lsq_g128", "lsq", -8, 7, "q4_0", group=128, ct="pack-quantized",
                                note="compressed-tensors int4 pack-quantized W4A16, group 128"))
+# scales that a bf16 model holds too: vLLM loads weight_scale in the model dtype
+INT4_LSQ_BF16 = register(_grid("int4_lsq_bf16", "lsq", -8, 7, "q4_0", ct="pack-quantized", grid="bf16",
+                               note="compressed-tensors int4 pack-quantized W4A16, channel, for bf16 models"))
+INT4_LSQ_G128_BF16 = register(_grid("int4_lsq_g128_bf16", "lsq", -8, 7, "q4_0", group=128, ct="pack-quantized",
+                                    grid="bf16", note="compressed-tensors int4 pack-quantized W4A16, group 128, "
+                                                      "for bf16 models"))
 INT3_LSQ = register(_grid("int3_lsq", "lsq", -4, 3, "q3_k", fallback=_Q40.format("int3_lsq")))
 INT3_LSQ_Q4_0 = register(_grid("int3_lsq_q4_0", "lsq", -4, 3, "q4_0"))
 INT2_SEQ = register(_grid("int2_seq", "seq2", -3, 3, "q2_k", fallback=_Q40.format("int2_seq")))
