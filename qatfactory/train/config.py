@@ -100,6 +100,12 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = True
+    # -- issue 19 (ParetoQ's full-precision-then-QAT schedule; issue 15 moves it behind the method seam):
+    # the first round(quant_start * max_steps) steps train with quantization off, then the scales are
+    # calibrated from the trained weights, quantization switches on, the optimizer state starts afresh
+    # and the LR schedule restarts over the remaining steps with peak quant_lr (None: lr)
+    quant_start: float = 0.0
+    quant_lr: Optional[float] = None
 
 
 @dataclass
@@ -165,6 +171,20 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
         raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                          f"(model.path=/path/to/hf_dir)")
+    if not 0.0 <= float(t.quant_start) <= 1.0:
+        raise ValueError(f"train.quant_start={t.quant_start!r}; allowed: a fraction of max_steps in 0..1 "
+                         f"(0.9: 90% full precision, then QAT)")
+    if t.quant_lr is not None and not t.quant_lr > 0:
+        raise ValueError(f"train.quant_lr={t.quant_lr!r}; allowed: a number > 0, or null (= train.lr)")
+    if t.quant_start > 0:
+        why = ("format=bf16 quantizes nothing" if cfg.quant.weight_format in NO_QUANT else
+               "method=ptq does not train" if m.name == "ptq" else
+               "qad_lora trains adapters on a frozen quantized base" if m.name == "qad_lora" else
+               "ZeRO-3 partitions the weights the switch calibrates from (use zero_stage 0-2)"
+               if t.zero_stage == 3 else None)
+        if why:
+            raise ValueError(f"train.quant_start={t.quant_start!r}: {why}; allowed with method qat / qad on a "
+                             f"quantized format")
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
     return cfg

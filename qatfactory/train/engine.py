@@ -182,16 +182,52 @@ class StudentLM(nn.Module):
 
 
 def lr_lambda(tcfg):
+    """LR factor per optimizer step. With train.quant_start (issue 19) the schedule runs over the
+    full-precision steps, then restarts over the quantized ones, scaled by quant_lr / lr."""
     warm, total, floor = int(tcfg.warmup_steps), int(tcfg.max_steps), float(tcfg.min_lr_ratio)
+    s0 = quant_switch_step(tcfg)
+    ratio = float(tcfg.quant_lr or tcfg.lr) / float(tcfg.lr)
 
-    def f(step: int) -> float:
+    def sched(step: int, length: int) -> float:
         if warm and step < warm:
             return (step + 1) / warm
         if tcfg.schedule == "constant":
             return 1.0
-        prog = min(1.0, (step - warm) / max(1, total - warm))
+        prog = min(1.0, (step - warm) / max(1, length - warm))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * prog))
+
+    def f(step: int) -> float:
+        if step < s0:
+            return sched(step, s0)
+        return ratio * sched(step - s0, total - s0)
     return f
+
+
+# ----------------------------------------------------------------------------- issue 19: quant_start
+# ParetoQ's schedule, in these helpers and the marked lines of _run until issue 15 moves it behind
+# the method seam: quantizers off for the first quant_switch_step() steps, then the switch.
+def quant_switch_step(tcfg) -> int:
+    """Optimizer steps trained with quantization off (round(quant_start * max_steps))."""
+    return int(round(float(getattr(tcfg, "quant_start", 0.0) or 0.0) * int(tcfg.max_steps)))
+
+
+def switch_quantization_on(engine, model, calib, method: str) -> None:
+    """Quantizers on, scales calibrated from the weights trained so far, the optimizer's fp32 masters
+    re-read from the module (calibration wrote the scales there) and its state cleared (a fresh
+    AdamW, as ParetoQ's QAT starts from a full-precision checkpoint)."""
+    Q = quantize_api()
+    Q.set_quantization(model, True)
+    Q.calibrate(model, calib, method)
+    opt = engine.optimizer
+    if opt is not None:
+        if hasattr(opt, "refresh_fp32_params"):      # DeepSpeed's ZeRO-1/2 and bf16 wrappers
+            opt.refresh_fp32_params()
+        base = opt
+        while not isinstance(base, torch.optim.Optimizer) and getattr(base, "optimizer", None) is not None:
+            base = base.optimizer
+        if isinstance(base, torch.optim.Optimizer):
+            base.state.clear()
+    step_cache.weights_changed()
 
 
 def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, Any]:
@@ -312,12 +348,11 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
                   f"Linear-like parameters asked for ({tot['bits_per_quantized_param']:.3f} bits each)"
                   + ("" if tot["asked_fraction"] >= 1.0 else f"; kept as they are: {tot['not_quantized'][:4]}"),
                   flush=True)
+        n = min(m.calib_samples, len(train_s))
+        calib = [{"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
+                 for b in (train_s.select([i]) for i in range(n))]
         if m.calibrate and resume_from is None:
-            n = min(m.calib_samples, len(train_s))
-            calib = [train_s.select([i]) for i in range(n)]
-            Q.calibrate(model, [{"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
-                                for b in calib],
-                        cfg.quant.calib_method)
+            Q.calibrate(model, calib, cfg.quant.calib_method)
     if t.grad_ckpt:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -373,11 +408,18 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
 
     step, position, history = 0, 0, []
     logger_start = 0
+    st: Dict[str, Any] = {}
     if resume_from is not None:
         st = ckpt.load(engine, resume_from, rank)
         step_cache.weights_changed()
         step, position, history = st["step"], st["position"], st.get("eval_history", [])
         logger_start = step
+    # issue 19: quantization off until step s0 (train.quant_start); a checkpoint says which side it is on
+    s0 = quant_switch_step(t) if quantized else 0
+    quant_on = True
+    if s0 > 0:
+        quant_on = bool(st.get("quant_on", step > s0))
+        quantize_api().set_quantization(model, quant_on)
     # an eval of a checkpoint leaves the run's own logs alone
     log = RunLogger(run_dir, rank == 0 and not eval_only, t.tensorboard, t.progress,
                     t.max_steps if train_now else 0, logger_start)
@@ -391,6 +433,8 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     def do_eval():
         r = evaluate(engine, eval_s, teacher, cfg, rank, world, dev)
         r["step"] = step
+        if s0 > 0:
+            r["quant_on"] = quant_on
         history.append(r)
         log.log(r)
         return r
@@ -401,10 +445,25 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     order = Order(len(train_s), t.seed)
 
     def state():
-        return {"step": step, "position": position, "eval_history": history, "config": to_dict(cfg),
-                "world_size": world}
+        d = {"step": step, "position": position, "eval_history": history, "config": to_dict(cfg),
+             "world_size": world}
+        if s0 > 0:
+            d["quant_on"] = quant_on
+        return d
+
+    def quant_switch():            # issue 19: the full-precision model's eval, then quantization on
+        nonlocal quant_on
+        if not history or history[-1]["step"] != step:
+            do_eval()
+        switch_quantization_on(engine, model, calib, cfg.quant.calib_method if m.calibrate else "max")
+        quant_on = True
+        if rank == 0:
+            print(f"[qatfactory] step {step}: quantization on ({cfg.quant.weight_format}), scales calibrated, "
+                  f"LR schedule restarted", flush=True)
 
     while train_now and step < t.max_steps:
+        if not quant_on and step >= s0:
+            quant_switch()
         ts = time.time()
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         lr_now = float(engine.get_lr()[0])
@@ -444,7 +503,9 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         if t.save_every and step % t.save_every == 0 and step != t.max_steps:
             ckpt.save(engine, run_dir, step, state(), t.keep_last, rank)
     if train_now:
-        if not history or history[-1]["step"] != step:
+        if not quant_on:           # quant_start = 1: full precision all along, then PTQ of the result
+            quant_switch()
+        if not history or history[-1]["step"] != step or history[-1].get("quant_on") is False:
             do_eval()
         if t.save_final:
             ckpt.save(engine, run_dir, step, state(), t.keep_last, rank)
