@@ -1,0 +1,193 @@
+"""ParetoQ run-set C1 (shared/reference/paretoq.md): the bit sweep 4 / 3 / 2 / 1.58 / 1 with ParetoQ's
+quantizers (4/3-bit LSQ, 2-bit and ternary SEQ, sign), per-channel learned scales, weight-only,
+CE (QAT, as ParetoQ) and optionally KL (QAD), with the learning-transition diagnostics: relative
+latent-weight change and the fraction of weights whose quantization bin left its PTQ (init) bin.
+
+    python benchmarks/papers/paretoq_bits.py --out benchmarks/results/paretoq_bits            # GPU: SmolLM2-135M-Instruct
+    python benchmarks/papers/paretoq_bits.py --loss both --out benchmarks/results/paretoq_bits   # + the KL pass
+    python benchmarks/papers/paretoq_bits.py --smoke --out /tmp/pq-bits                        # CPU, tiny random Llama
+
+Design (paretoq.md C1): 500 steps at 3/4 bits and 1,500 below (ParetoQ's 1:3), 8 x 1,024 tokens per step,
+cosine to 0 without warmup, fp32 masters; LR 1e-5 (3/4 bits) and, below 3 bits, the better of 2e-5 / 1e-4
+in a 300-step 2-bit SEQ pilot. Every arm is one run of the framework's trainer, exported to GGUF and
+checked by the parity gate at its end (``export=llama_cpp``). SmolLM2's 576-wide rows are not a multiple of
+llama.cpp's 256-element types: those linears use the ``*_q4_0`` variant of the same grid.
+The smoke mode (a random 2-layer Llama, a few steps) measures nothing: it runs every code path.
+
+Writes ``paretoq_bits.json`` (every number), ``paretoq_bits.md`` (the table), ``paretoq_bits.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paretoq_common as C  # noqa: E402
+
+# bits, recipe, weight format, GGUF type(s) (compact / the q4_0 variant for other rows)
+ARMS = [("4", "paretoq_4bit", "int4_lsq", "Q4_0"), ("3", "paretoq_3bit", "int3_lsq", "Q3_K / Q4_0"),
+        ("2", "paretoq_2bit", "int2_seq", "Q2_K / Q4_0"), ("1.58", "paretoq_ternary", "ternary_seq", "TQ2_0 / Q4_0"),
+        ("1", "paretoq_binary", "binary_sign", "TQ2_0 / Q4_0")]
+# ParetoQ on MobileLLM-125M, WikiText-2 PPL after 10-30B tokens (paper, as collected in paretoq.md; BF16 15.1)
+PAPER_PPL = {"4": 14.1, "3": 15.0, "2": 18.2, "1.58": 20.0, "1": 25.8}
+SMOLLM2 = {"hidden": 576, "inter": 1536, "attn": 576}
+TINY = {"hidden": 256, "inter": 512, "attn": 256}
+
+
+def setting(args) -> Dict[str, Any]:
+    if args.smoke:
+        return dict(steps_hi=3, steps_lo=6, pilot_steps=2, micro=2, accum=1, seq=64, eval_samples=4,
+                    lr_hi=1e-3, lr_lo=[2e-3, 5e-3], train_bytes=60_000, eval_bytes=6_000, dims=TINY, device="cpu")
+    return dict(steps_hi=500, steps_lo=1500, pilot_steps=300, micro=8, accum=1, seq=1024, eval_samples=64,
+                lr_hi=1e-5, lr_lo=[2e-5, 1e-4], train_bytes=40_000_000, eval_bytes=400_000, dims=SMOLLM2,
+                device=args.device)
+
+
+def model_overrides(smoke: bool) -> List[str]:
+    if smoke:
+        return ["model=tiny_llama", "model.dtype=float32", "model.tiny.hidden_size=256",
+                "model.tiny.intermediate_size=512", "model.tiny.num_hidden_layers=2",
+                "model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2"]
+    return ["model=smollm2_135m"]
+
+
+def arm_overrides(s: Dict[str, Any], data: Dict[str, str], smoke: bool, recipe: str, fmt: str, loss: str,
+                  steps: int, lr: float, run_dir: Path, seed: int = 0, calib: str = "max",
+                  export: bool = True) -> List[str]:
+    d = s["dims"]
+    o = model_overrides(smoke) + [
+        f"format={recipe}", f"quant.calib_method={calib}",
+        "method=qat" if loss == "ce" else "method=qad", "method.eval_teacher=true",
+        "data=files", f"data.train=[{data['train']}]", f"data.eval=[{data['eval']}]", f"data.seq_len={s['seq']}",
+        f"data.eval_samples={s['eval_samples']}", "train.eval_samples=0",
+        f"train.max_steps={steps}", f"train.lr={lr:g}", f"train.micro_batch={s['micro']}",
+        f"train.grad_accum={s['accum']}"] + C.common_train(s["device"], run_dir, seed, smoke)
+    o += C.layout_rules(fmt, C.llama_in_features(d["hidden"], d["inter"], d["attn"]))
+    o += ["export=llama_cpp"] if export else ["export=none"]
+    return o
+
+
+def teacher_row(s, data, smoke: bool, work: Path) -> Dict[str, Any]:
+    """The unquantized model on the same held-out windows (a ptq run of format=bf16 evaluates it)."""
+    o = model_overrides(smoke) + ["format=bf16", "method=ptq", "data=files", f"data.train=[{data['train']}]",
+                                  f"data.eval=[{data['eval']}]", f"data.seq_len={s['seq']}",
+                                  f"data.eval_samples={s['eval_samples']}", "train.eval_samples=0",
+                                  f"train.micro_batch={s['micro']}", "export=none"]
+    o += C.common_train(s["device"], work / "teacher", 0, smoke) + ["train.save_student=false"]
+    return C.eval_at(C.run_arm(o))
+
+
+def pilot_lr(s, data, smoke: bool, work: Path, loss: str) -> Dict[str, Any]:
+    """Below 3 bits: the better (held-out CE) of the candidate LRs in a short 2-bit SEQ run."""
+    res = {}
+    for lr in s["lr_lo"]:
+        sm = C.run_arm(arm_overrides(s, data, smoke, "paretoq_2bit", "int2_seq", loss, s["pilot_steps"], lr,
+                                     work / f"pilot-{loss}-{lr:g}", export=False) + ["train.save_student=false"])
+        res[f"{lr:g}"] = C.eval_at(sm)["eval/ce"]
+    best = min(res, key=res.get)
+    return {"candidates": res, "chosen": float(best), "steps": s["pilot_steps"]}
+
+
+def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, calib="max") -> Dict[str, Any]:
+    run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}"
+    t0 = time.time()
+    over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib)
+    sm = C.run_arm(over)
+    first, last = C.eval_at(sm, last=False), C.eval_at(sm)
+    diag = C.transition(over, sm["student_dir"])
+    return {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": steps, "lr": lr, "calib": calib,
+            "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
+            "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
+            **diag, "gate_ok": sm.get("verify_ok"), "tokens": sm.get("tokens"), "seconds": time.time() - t0,
+            "run_dir": str(run_dir)}
+
+
+def report(out: Path, res: Dict[str, Any]) -> None:
+    rows = []
+    for r in res["arms"]:
+        bits = r["bits"]
+        rows.append([r["loss"].upper(), bits, r["format"], dict((a[0], a[3]) for a in ARMS).get(bits, ""), r["steps"],
+                     r["lr"], r["ptq"]["eval/ppl"], r["ptq"]["eval/kl"], r["qat"]["eval/ppl"], r["qat"]["eval/kl"],
+                     r["rel_weight_change"], r["bin_change_fraction"], {True: "PASS", False: "FAIL"}.get(r["gate_ok"], "-"),
+                     PAPER_PPL.get(bits, "")])
+    t = res["teacher"]
+    head = ["loss", "bits", "format", "GGUF", "steps", "LR", "PTQ PPL", "PTQ KL", "QAT PPL", "QAT KL",
+            "rel dW", "bins changed", "gate", "paper PPL (MobileLLM-125M)"]
+    text = [f"# ParetoQ bit sweep ({'SMOKE: tiny random model, a few steps; measures nothing' if res['smoke'] else res['model']})",
+            "", f"{res['env']['date']}, {res['env']['device']}, torch {res['env']['torch']}. Held-out: {res['data']['split']}; "
+            f"unquantized model PPL {t.get('eval/ppl', float('nan')):.4g}. PTQ = ParetoQ's scale init before training; "
+            f"KL to the unquantized model; rel dW = ||W_T - W_0|| / ||W_0||; bins changed = fraction of weights whose "
+            f"code differs from the PTQ code. Paper column: ParetoQ's MobileLLM-125M WikiText-2 PPL (BF16 15.1), "
+            f"another model, data and 10-30B tokens, for the shape of the curve only.", "",
+            C.md_table(head, rows)]
+    if res.get("pilot"):
+        text += ["", f"LR pilot below 3 bits: {json.dumps(res['pilot'])}"]
+    C.write_text(out / "paretoq_bits.md", "\n".join(text) + "\n")
+
+    def draw(fig):
+        ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        for loss in sorted({r["loss"] for r in res["arms"]}):
+            rr = [r for r in res["arms"] if r["loss"] == loss]
+            x = [float(r["bits"]) for r in rr]
+            ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], "o-", label=f"QAT ({loss.upper()})")
+            ax1.plot(x, [r["ptq"]["eval/ppl"] for r in rr], "x--", label=f"PTQ init ({loss.upper()} arm)")
+            w = 0.12 if loss == "ce" else -0.12
+            ax2.bar([v + w for v in x], [r["bin_change_fraction"] for r in rr], 0.2, label=f"bins changed ({loss})")
+            ax2.plot(x, [r["rel_weight_change"] for r in rr], "s-", label=f"rel dW ({loss})")
+        if t.get("eval/ppl"):
+            ax1.axhline(t["eval/ppl"], color="k", lw=0.8, label="unquantized")
+        ax1.set_yscale("log")
+        ax1.set_xlabel("bits per weight (grid)")
+        ax1.set_ylabel("held-out PPL")
+        ax1.legend(fontsize=7)
+        ax2.set_xlabel("bits per weight (grid)")
+        ax2.set_title("learning transition vs PTQ init", fontsize=9)
+        ax2.legend(fontsize=7)
+        fig.suptitle("ParetoQ bit sweep" + (" (SMOKE, measures nothing)" if res["smoke"] else ""), fontsize=10)
+    C.plot(out / "paretoq_bits.png", draw)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--work", type=Path, default=None, help="runs and students (default: <out>/work)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, a few steps (measures nothing)")
+    ap.add_argument("--loss", choices=["ce", "kl", "both"], default="ce")
+    ap.add_argument("--bits", default="4,3,2,1.58,1")
+    ap.add_argument("--no-pilot", action="store_true", help="skip the LR pilot (use the first candidate below 3 bits)")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    s = setting(args)
+    work = args.work or args.out / "work"
+    data = C.wiki_files(work, s["train_bytes"], s["eval_bytes"])
+    want = args.bits.split(",")
+    res: Dict[str, Any] = {"smoke": args.smoke, "model": "SmolLM2-135M-Instruct" if not args.smoke else "tiny random Llama",
+                           "env": C.environment(), "setting": s, "data": data, "arms": []}
+    res["teacher"] = teacher_row(s, data, args.smoke, work)
+    losses = ["ce", "kl"] if args.loss == "both" else [args.loss]
+    for loss in losses:
+        lr_lo = s["lr_lo"][0]
+        if not args.no_pilot and any(float(b) < 3 for b in want):
+            res.setdefault("pilot", {})[loss] = p = pilot_lr(s, data, args.smoke, work, loss)
+            lr_lo = p["chosen"]
+        for bits, recipe, fmt, _ in ARMS:
+            if bits not in want:
+                continue
+            hi = float(bits) >= 3
+            C.say(f"{loss} {bits}-bit ({fmt})")
+            res["arms"].append(run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss,
+                                       s["steps_hi"] if hi else s["steps_lo"], s["lr_hi"] if hi else lr_lo))
+            C.write_json(args.out / "paretoq_bits.json", res)
+    report(args.out, res)
+    C.write_json(args.out / "paretoq_bits.json", res)
+    print((args.out / "paretoq_bits.md").read_text())
+    return 0 if all(r["gate_ok"] is not False for r in res["arms"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
