@@ -83,3 +83,13 @@ def test_layout_rules_for_rows_the_256_types_cannot_hold():
     cfg = compose(["format=paretoq_2bit"] + r)
     assert cfg.quant.resolve("model.layers.3.mlp.down_proj") == ("int2_seq", None)
     assert cfg.quant.resolve("model.layers.3.self_attn.q_proj") == ("int2_seq_q4_0", None)
+
+
+def test_init_error_smoke(tmp_path):
+    import paretoq_init_error as I
+    assert I.main(["--smoke", "--out", str(tmp_path)]) == 0
+    g = json.loads((tmp_path / "paretoq_init_error.json").read_text())["grids"]
+    for label, v in g.items():
+        assert 0 < v["mse"] <= v["paretoq_init"] < 1.5, (label, v)
+    assert g["1 (sign)"]["mse"] == g["1 (sign)"]["paretoq_init"]      # mean|W| is already the MSE optimum
+    assert g["2 (SEQ)"]["mse"] < 0.8 * g["2 (SEQ)"]["paretoq_init"]

@@ -32,8 +32,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--lr", type=float, default=None, help="default: the first 2-bit candidate of paretoq_bits (2e-5)")
     ap.add_argument("--loss", choices=["ce", "kl"], default="ce")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model-path", default=None, help="a local HF model directory (default: packaged SmolLM2)")
     args = ap.parse_args(argv)
-    s = B.setting(args)
+    s = B.setup(args)
     work = args.work or args.out / "work"
     data = C.wiki_files(work, s["train_bytes"], s["eval_bytes"])
     lr = args.lr or s["lr_lo"][0]
