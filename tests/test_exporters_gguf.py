@@ -1,6 +1,7 @@
 """llama.cpp GGUF exports through the parity gate: gguf-py's GGUFReader + gguf.quants.dequantize,
 libggml's C dequantizers (libggml-python), transformers' GGUF loader for logits and the
-tokenizer, and (opt-in, marker llama_cpp) llama.cpp's own runtime via llama-cpp-python."""
+tokenizer, and llama.cpp's own runtime via llama-cpp-python (required: without it the verdict is
+INCOMPLETE and these tests fail)."""
 from __future__ import annotations
 
 import copy
@@ -20,6 +21,8 @@ gguf = pytest.importorskip("gguf")
 # this file's cells of the supported matrix (qatfactory/exporters/matrix.py): GGUF, dense and MoE
 CELLS = cells(lambda c: c.engine == "llama_cpp" and c.kind in ("llama", "qwen2", "qwen3", "qwen3_moe"))
 
+pytestmark = pytest.mark.llama_cpp  # runs llama.cpp's own runtime (in make test)
+
 
 @pytest.mark.parametrize("cell", CELLS)
 def test_gguf_export_passes_gate(tmp_path, cell):
@@ -36,7 +39,9 @@ def test_gguf_export_passes_gate(tmp_path, cell):
     assert set(lg) == {"llama.cpp runtime", next(k for k in lg if k.startswith("transformers"))}
     assert all(c.status == "ok" for c in lg.values())
     r = v.logits["llama.cpp"]
-    assert r["kl_max"] <= 0.25 * r["kl_q8_effect_max"] and not r["not_emulated"] and r["rounded"]
+    assert all(k <= b for k, b in zip(r["kl_per_prompt"], r["kl_bound_per_prompt"]))
+    assert r["kl_best"] <= r["kl_best_bound"]
+    assert not r["not_emulated"] and r["rounded"] and r["argmax_agreement"] == 1.0
     if not any(k.endswith(".scale") for k in _tensors(out)):
         # weights decode bit-exactly and transformers' own GGUF loader gives identical logits
         assert v.logits["transformers GGUF loader"]["exact"]

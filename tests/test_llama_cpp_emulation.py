@@ -67,6 +67,8 @@ if mode == "traits":  # the activation type of each weight type, by name
 np.savez(out, **res)
 """
 
+pytestmark = pytest.mark.llama_cpp  # runs llama.cpp's own runtime (in make test)
+
 
 def _llama_cpp_lib() -> str:
     spec = importlib.util.find_spec("llama_cpp")
@@ -140,15 +142,22 @@ def test_activation_type_table_is_llama_cpps(results):
 
 
 def test_emulation_brings_llama_cpp_to_float_order(tmp_path):
-    """On a Q4_K tiny model, llama.cpp's logits against the plain student differ by percents; with
-    the activation rounding emulated they agree to float summation order."""
+    """Against the plain student llama.cpp's logits differ by percents (KL ~1e-4 on these tiny models);
+    against the emulated one most prompts agree to float summation order (boundary events, which the
+    gate's bound allows for, make the rest). Four models x four prompts: at least a quarter exact."""
     from test_exporters_helpers import student
 
     from qatfactory.exporters import export, verify
-    cm = student("qwen3", "q4_k")
-    export(cm, tmp_path / "g", engine="llama_cpp")
-    v = verify(tmp_path / "g", cm)
-    assert v.verdict == "PASS", v.table()
-    r = v.logits["llama.cpp"]
-    print({k: r[k] for k in ("max_rel", "kl_max", "plain_max_rel", "plain_kl_max", "kl_q8_effect_max")})
-    assert r["plain_max_rel"] > 0.005 and r["max_rel"] < 1e-5 and r["kl_max"] < 1e-3 * r["plain_kl_max"]
+    exact, total = 0, 0
+    for kind, fmt in (("qwen3", "q4_k"), ("llama", "q8_0"), ("qwen3", "nvfp4_ggml"), ("qwen2", "mxfp4_ggml")):
+        cm = student(kind, fmt)
+        out = tmp_path / f"{kind}-{fmt}"
+        export(cm, out, engine="llama_cpp")
+        v = verify(out, cm)
+        assert v.verdict == "PASS", v.table()
+        r = v.logits["llama.cpp"]
+        print(kind, fmt, ["%.1e" % k for k in r["kl_per_prompt"]], "plain", "%.1e" % r["plain_kl_max"])
+        assert r["plain_max_rel"] > 0.005 and max(r["kl_per_prompt"]) < r["plain_kl_max"]
+        exact += sum(k < 1e-10 for k in r["kl_per_prompt"])
+        total += len(r["kl_per_prompt"])
+    assert exact >= total // 4, (exact, total)  # measured 10 of 16 here; a systematic error gives 0

@@ -21,6 +21,8 @@ QK = "llama_cpp-gguf-llama-q4_k_m-w4a16"     # Q4_K/Q6_K blocks as trained, Q/K 
 MX = "llama_cpp-gguf-qwen3-mxfp4-w4a16"      # OCP MXFP4 repacked, no permutation
 DOWN = "model.layers.0.mlp.down_proj.weight"
 
+pytestmark = pytest.mark.llama_cpp  # runs llama.cpp's own runtime (in make test)
+
 
 def _fail(v, *want):
     assert v.verdict == "FAIL" and not v.ok, v.table()
