@@ -41,7 +41,7 @@ def test_gguf_export_passes_gate(tmp_path, cell):
     r = v.logits["llama.cpp"]
     assert all(k <= b for k, b in zip(r["kl_per_prompt"], r["kl_bound_per_prompt"]))
     assert r["kl_best"] <= r["kl_best_bound"]
-    assert not r["not_emulated"] and r["rounded"] and r["argmax_agreement"] == 1.0
+    assert not r["not_emulated"] and r["rounded"] and r["decisive_positions"] > 0
     if not any(k.endswith(".scale") for k in _tensors(out)):
         # weights decode bit-exactly and transformers' own GGUF loader gives identical logits
         assert v.logits["transformers GGUF loader"]["exact"]

@@ -358,3 +358,19 @@ def test_wrong_student(tmp_path):
     other = make_student("qwen3", "mxfp4", seed=1)
     v = verify(out, other)
     assert v.verdict == "FAIL" and sum(c.check == "bytes" and c.status == "FAIL" for c in v.checks) == len(cm.packed)
+
+
+def test_tokenizer_files_are_the_students(tmp_path):
+    """The engine tokenizes with the export's tokenizer.json: it must be the base model's, byte for byte."""
+    cm, out = exported(tmp_path, CTM)
+    assert ("source files", "== student's source_dir") in rows(verify(out, cm), "ok")
+    tj = json.loads((out / "tokenizer.json").read_text())
+    tj["model"]["vocab"]["the"] = 7
+    (out / "tokenizer.json").write_text(json.dumps(tj))
+    _fail(verify(out, cm), ("source files", "== student's source_dir"))
+    cm, out = exported(tmp_path, CTM, name="b")
+    (out / "chat_template.jinja").unlink()
+    (out / "special_tokens_map.json").write_text("{}")
+    v = verify(out, cm)
+    _fail(v, ("source files", "== student's source_dir"))
+    assert "chat_template.jinja missing" in v.table() and "special_tokens_map.json is not in" in v.table()

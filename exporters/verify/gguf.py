@@ -217,9 +217,12 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
                                                                                  tt[:, half:])]
             else:
                 parts = [(f"blk.{layer}.ffn_down_exps.weight", tt)]
+            got = []
             for gname, part in parts:
                 expected[gname] = name
-                _dense(res, gguf, tensors, f"{name}[{gname}]", gname, None, part, unpermute)
+                got.append(_dense(res, gguf, tensors, f"{name}[{gname}]", gname, None, part, unpermute))
+            if all(g is not None for g in got):
+                decoded[name] = torch.cat(got, dim=1) if len(got) == 2 else got[0]
             continue
         gname, e = names(name)
         if gname is None:
@@ -460,14 +463,16 @@ def _packed(res, gguf, tensors, name, gname, e, p, student, mode, unpermute, cde
             eqc = np.array_equal(c.reshape(rows, k), got) and np.isfinite(c).all()
             res.ok_or_fail(name, "weights (libggml C)", eqc, "C dequantizer == gguf-py" if eqc else
                            "libggml and gguf-py disagree (or non-finite)", source="libggml-python")
-    got_hf = unpermute(np.ascontiguousarray(got), gname)
+    got = np.ascontiguousarray(got)
+    got_hf = unpermute(got, gname)
     got_t = torch.from_numpy(np.array(got_hf, dtype=np.float32))
     if S is not None:
         got_t = got_t * torch.tensor(float(S), dtype=torch.float32)
     want = fake_quant(student, name)
     eq, mad, n = compare_values(got_t, want)
     src = "gguf.quants.dequantize" + (" x .scale" if S is not None else "") + \
-          (" + transformers un-permute" if names_permuted(gname, unpermute) else "")
+          (" + transformers un-permute" if got_hf is not got and (".attn_q." in gname or ".attn_k." in gname)
+           else "")
     if eq:
         res.add(name, "weights", OK, "exact", 0.0, src)
         return got_t, False
@@ -477,10 +482,6 @@ def _packed(res, gguf, tensors, name, gname, e, p, student, mode, unpermute, cde
                    (" ((code*fp8)*S as llama.cpp applies S after the matmul, vs code*(fp8*S))" if tol else ""),
                    mad, src)
     return got_t, tol
-
-
-def names_permuted(gname: str, unpermute) -> bool:
-    return ".attn_q." in gname or ".attn_k." in gname
 
 
 def _dense(res, gguf, tensors, label, gname, e, tt, unpermute) -> Optional[torch.Tensor]:

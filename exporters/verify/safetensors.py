@@ -36,6 +36,10 @@ from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 INDEX = "model.safetensors.index.json"
+# files an engine reads beside the weights, copied from the student's base model directory
+SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+                "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                "chat_template.json", "preprocessor_config.json")
 VLLM_NOTE = ("vLLM/SGLang themselves have no CPU kernels for FP4 checkpoints: the engines run these exports "
              "only on a GPU (benchmarks/gpu); on CPU the layout is proven with the format's own libraries")
 
@@ -239,6 +243,7 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
         if got is not None:
             decoded[name] = got
     _fused_scales(res, sd, student, flavour)
+    _source_files(res, d, student)
     if flavour == "compressed-tensors":
         _ct_skeleton(res, d, student)
     else:
@@ -494,6 +499,32 @@ def _fused_scales(res, sd, student, flavour) -> None:
                 same = len({f32_bits(v) for v in vals}) == 1
                 res.ok_or_fail(",".join(x.rsplit(".", 1)[-1] for x in g) + f" @{g[0].rsplit('.', 1)[0]}",
                                f"shared{suf}", same, f"{len(vals)} shards (the engine fuses them into one layer)")
+
+
+def _source_files(res, d: Path, student: ConvertedModel) -> None:
+    """Tokenizer, generation config and chat template as the engine reads them: byte-equal to the
+    student's base model directory (ConvertedModel.source_dir), nothing the student does not have."""
+    src = Path(student.source_dir) if student.source_dir else None
+    bad, n = [], 0
+    for name in SOURCE_FILES:
+        mine = src is not None and (src / name).is_file()
+        there = (d / name).exists() or (d / name).is_symlink()
+        if not mine and not there:
+            continue
+        n += 1
+        if not there:
+            bad.append(f"{name} missing (the student's source_dir has it)")
+            continue
+        if not mine:
+            bad.append(f"{name} is not in the student's source_dir ({src}), so nothing vouches for it")
+            continue
+        try:
+            if inside(d, name).read_bytes() != (src / name).read_bytes():
+                bad.append(f"{name} differs from {src / name}")
+        except Malformed as e:
+            bad.append(str(e))
+    res.ok_or_fail("source files", "== student's source_dir", not bad, "; ".join(bad) if bad else
+                   f"{n} files byte-equal" if n else "none (the student has no tokenizer files)")
 
 
 def _skeleton(d: Path):
