@@ -113,7 +113,9 @@ PROVEN_BY = {
        "gguf-py and libggml's C dequantizers decode exactly (NVFP4 x `.scale` within 1 fp32 ulp); every "
        "hyperparameter via gguf-py and transformers' GGUF mapping equal to the student's; transformers' GGUF "
        "loader (or a model rebuilt from gguf-py's decode) bit-identical logits; llama.cpp's own runtime "
-       "(llama-cpp-python, in `make test`) against a reference with llama.cpp's Q8 activation rounding",
+       "(llama-cpp-python, in `make test`) against a reference with llama.cpp's Q8 activation rounding. The "
+       "Q4_K_M per-tensor type choice (`q4_k_m`) is a TRANSCRIPTION of llama.cpp's llama-quant.cpp until a run of "
+       "llama-quantize confirms it",
 }
 ENGINE_NAMES = {V: "vLLM", S: "SGLang", L: "llama.cpp"}
 FLAVOUR_NAMES = {MO: "ModelOpt (`hf_quant_config.json` + `quantization_config`)",

@@ -3,7 +3,6 @@ required library is hidden), never PASS, with rows naming what is wrong. Edits g
 (a writable memory map for in-place byte/metadata edits, its writer to drop or add tensors)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 

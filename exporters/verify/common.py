@@ -17,7 +17,7 @@ import torch
 
 from qatfactory.formats import ConvertedModel, get_format
 
-from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
+from .result import FAIL, Malformed, Missing, VerifyResult, need
 
 RECORD = "qatfactory.json"
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -281,5 +281,3 @@ def names_sample(xs: Iterable[str], k: int = 4) -> str:
     xs = sorted(xs)
     return ", ".join(xs[:k]) + (f" (+{len(xs) - k} more)" if len(xs) > k else "")
 
-
-__all__ = ["OK", "FAIL"]

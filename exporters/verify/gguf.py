@@ -27,7 +27,7 @@ import torch
 
 from qatfactory.formats import ConvertedModel, get_format
 
-from .common import (LM_HEAD, act_decode_scale, compare_values, exact_logits_check, f32_bits, fake_quant, inside,
+from .common import (act_decode_scale, compare_values, exact_logits_check, f32_bits, fake_quant, inside,
                      max_ulp, model_from_state_dict, module_of, names_sample, nonfinite, run_logits, student_logits,
                      student_mode, student_weights, tied, written_dense)
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need

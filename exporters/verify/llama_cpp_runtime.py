@@ -56,7 +56,7 @@ import torch
 from qatfactory.formats import ConvertedModel
 
 from .common import model_from_state_dict, nonfinite, student_weights, tied
-from .result import FAIL, INCOMPLETE, OK, Missing, VerifyResult
+from .result import FAIL, Missing, VerifyResult
 
 KL_RATIO = 0.1      # KL(reference || llama.cpp) allowed, as a fraction of the Q8 activation effect's KL ...
 AMB_FACTOR = 2.0    # ... or as a multiple of the KL of tipping every rounding that sits within float noise
@@ -368,5 +368,5 @@ def runtime_check(res: VerifyResult, path: Path, student: ConvertedModel, prompt
                    diff, SOURCE)
 
 
-__all__ = ["runtime_check", "run_llama_cpp", "emulated_logits", "q8_0", "q8_0_ref", "q8_k", "VEC_DOT",
-           "KL_RATIO", "INCOMPLETE", "OK"]
+__all__ = ["runtime_check", "run_llama_cpp", "emulated_logits", "prompts_for", "q8_0", "q8_0_ref", "q8_k",
+           "VEC_DOT", "KL_RATIO", "AMB_FACTOR"]

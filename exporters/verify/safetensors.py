@@ -30,7 +30,7 @@ from .common import (EMBED, LM_HEAD, act_decode_scale, compare_hf_config, compar
                      f32_bits, fake_quant, fused_groups, inside, max_ulp, model_from_state_dict, module_of,
                      names_sample, nonfinite, read_json, run_logits, same_bits, student_logits, student_mode,
                      student_weights, tied, written_dense)
-from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
+from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
