@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--no-llama-cpp", action="store_true",
                    help="GGUF: skip llama.cpp's own runtime (required otherwise); the verdict is then INCOMPLETE at best")
     v.add_argument("--llama-cpp", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    v.add_argument("--source-dir", default=None,
+                   help="base model dir the export copied tokenizer/generation config/chat template from (as for export)")
     v.add_argument("--json", default=None, help="also write the structured result here")
     v.add_argument("--quiet", action="store_true", help="print failures and the verdict only")
     return p
@@ -121,7 +123,7 @@ def _run(args) -> int:
     import os
     if not os.path.isdir(args.export_dir):
         raise FileNotFoundError(f"export directory {args.export_dir!r} does not exist")
-    cm = load_converted(args.against)
+    cm = load_converted(args.against, args.source_dir)
     res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=not args.no_llama_cpp)
     _print_result(res, args.quiet)
     if args.json:

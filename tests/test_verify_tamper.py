@@ -374,3 +374,14 @@ def test_tokenizer_files_are_the_students(tmp_path):
     v = verify(out, cm)
     _fail(v, ("source files", "== student's source_dir"))
     assert "chat_template.jinja missing" in v.table() and "special_tokens_map.json is not in" in v.table()
+
+
+def test_tokenizer_files_without_a_source_dir_are_incomplete(tmp_path):
+    """A student that names no base directory cannot vouch for the tokenizer the export ships."""
+    import copy
+    cm, out = exported(tmp_path, CTM)
+    blind = copy.copy(cm)
+    blind.source_dir = None
+    v = verify(out, blind)
+    assert v.verdict == "INCOMPLETE" and ("source files", "== student's source_dir") in rows(v, "INCOMPLETE")
+    assert "--source-dir" in v.table()

@@ -653,7 +653,8 @@ class ExportJob:
                 self._set(status="export refused" if p.rc == 2 else "export failed", error=p.tail(6))
                 return
             self._set(bytes=du(self.edir), path=str(self.edir))
-            args = [str(self.edir), "--against", str(self.student), "--json", str(self.vjson), "--quiet"]
+            args = [str(self.edir), "--against", str(self.student), "--json", str(self.vjson), "--quiet"] + \
+                (["--source-dir", self.source_dir] if self.source_dir else [])
             self._set(verify_command="qatfactory verify " + " ".join(args))
             p = self._cli("verify", args)
             r: Dict[str, Any] = {"verify_s": p.seconds, "verify_rc": p.rc}

@@ -30,7 +30,7 @@ from .common import (EMBED, LM_HEAD, act_decode_scale, compare_hf_config, compar
                      f32_bits, fake_quant, fused_groups, inside, max_ulp, model_from_state_dict, module_of,
                      names_sample, nonfinite, read_json, run_logits, same_bits, student_logits, student_mode,
                      student_weights, tied, written_dense)
-from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
+from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -505,6 +505,16 @@ def _source_files(res, d: Path, student: ConvertedModel) -> None:
     """Tokenizer, generation config and chat template as the engine reads them: byte-equal to the
     student's base model directory (ConvertedModel.source_dir), nothing the student does not have."""
     src = Path(student.source_dir) if student.source_dir else None
+    shipped = [n for n in SOURCE_FILES if (d / n).exists() or (d / n).is_symlink()]
+    if src is None or not any((src / n).is_file() for n in SOURCE_FILES):
+        if shipped:  # the student cannot vouch for them: say where the truth would be, never pass
+            res.add("source files", "== student's source_dir", INCOMPLETE,
+                    f"not compared: {', '.join(shipped)} ship with the export but the student's source_dir "
+                    f"({src}) holds none of them; give the base model directory (qatfactory verify --source-dir, "
+                    f"ConvertedModel.source_dir)")
+        else:
+            res.add("source files", "== student's source_dir", OK, "none (the student has no tokenizer files)")
+        return
     bad, n = [], 0
     for name in SOURCE_FILES:
         mine = src is not None and (src / name).is_file()
