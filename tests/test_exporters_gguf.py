@@ -16,7 +16,7 @@ from test_exporters_helpers import cell_student, cells, source_dir, student
 from qatfactory.exporters import ExportError, export, verify
 from qatfactory.exporters.llama_cpp import packed_to_gguf, permute_rows, unpermute_rows
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 
 # this file's cells of the supported matrix (qatfactory/exporters/matrix.py): GGUF, dense and MoE
 CELLS = cells(lambda c: c.engine == "llama_cpp" and c.kind in ("llama", "qwen2", "qwen3", "qwen3_moe"))

@@ -13,7 +13,7 @@ from tamper_helpers import edit_json, exported, gguf_rw, hide, rewrite_gguf, row
 
 from qatfactory.exporters import verify
 
-gguf = pytest.importorskip("gguf")  # an install requirement: a missing gguf fails the import above anyway
+import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 
 NV = "llama_cpp-gguf-llama-nvfp4-w4a4"       # NVFP4 + .scale/.input_scale, Q/K permuted
 QK = "llama_cpp-gguf-llama-q4_k_m-w4a16"     # Q4_K/Q6_K blocks as trained, Q/K permuted
