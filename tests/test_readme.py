@@ -2,6 +2,7 @@
 import re
 from pathlib import Path
 
+from qatfactory.exporters.matrix import markdown as matrix_markdown
 from qatfactory.formats.__main__ import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,20 @@ def test_reliability_table_has_every_exit_code():
         assert f"| exit {code} | {name} | {meaning} |" in rows, (code, name)
     assert rows.count("| exit ") == len(TABLE)
     assert "weights_only=True" in rows and "FAILED.json" in rows
+
+
+def test_support_matrix_is_the_tested_cells():
+    """The README's supported matrix is generated from the same cells the gate tests run."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- support-matrix -->\n(.*?)\n<!-- /support-matrix -->", text, re.S)
+    assert m, "README lost its support-matrix markers"
+    assert m.group(1).strip() == matrix_markdown().strip(), (
+        "README support matrix is out of date: regenerate it with `python -m qatfactory.exporters.matrix`")
+
+
+def test_verdict_words_and_exit_codes_match():
+    from qatfactory import exitcodes as X
+    text = (ROOT / "README.md").read_text()
+    for word, code in (("PASS", X.OK), ("FAIL", X.FAIL), ("INCOMPLETE", X.INCOMPLETE)):
+        assert f"**{word}** (exit {code})" in text, word
+    assert f"exit {X.BAD_INPUT}" in text
