@@ -117,6 +117,20 @@ PROVEN_BY = {
        "Q4_K_M per-tensor type choice (`q4_k_m`) is a TRANSCRIPTION of llama.cpp's llama-quant.cpp until a run of "
        "llama-quantize confirms it",
 }
+# The engine itself loading the flavour's exports (issue 16): the last GPU run of benchmarks/gpu/engines.sh,
+# whose numbers are in benchmarks/results/engines_vllm_h200.json (tests/test_readme.py keeps them equal)
+ENGINE_RUN_ON = "vLLM 0.24.0, one H200, torch 2.11.0+cu130, 2026-12-01"
+ENGINE_RUNS: Dict[Tuple[str, str], str] = {
+    (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper). NVFP4 W4A16: KL to the "
+             "student 0.0017 (its PTQ baseline 0.12), top-1 0.973, greedy tokens equal 0.834, tok/s 0.73x / 0.66x "
+             "bf16 (batch 1 / 64); MXFP4 W4A16: 0.0023 (PTQ 0.31), 0.973, 0.465, 0.78x / 0.68x; MXFP4 W4A4: served "
+             "weight-only (KL 0.0015 to the student's weight-only forward, 0.48 to its W4A4 forward), 0.79x / 0.68x",
+    (V, MO): "refused the tied SmolLM2 exports (vLLM cannot tie lm_head under a ModelOpt config); fixed since "
+             "(tied models ship lm_head as the embedding's bytes), not re-run yet",
+    (S, MO): "not run: SGLang 0.5.17 (the release pinning torch 2.11) needs ~600 MB of kernel wheels",
+    (S, CT): "not run (as above)",
+    (L, G): "yes, on every cell in `make test` (below)",
+}
 ENGINE_NAMES = {V: "vLLM", S: "SGLang", L: "llama.cpp"}
 FLAVOUR_NAMES = {MO: "ModelOpt (`hf_quant_config.json` + `quantization_config`)",
                  CT: "compressed-tensors (`nvfp4-pack-quantized` / `mxfp4-pack-quantized`)", G: "GGUF"}
@@ -187,8 +201,9 @@ def markdown() -> str:
         "(every required check ran and agreed), **FAIL** (exit 1; names the tensor and the check), **INCOMPLETE** "
         "(exit 2; a required third-party tool is missing, or a check was opted out of; never a pass).",
         "",
-        "| engine | flavour | weights / activations | architectures | dense | MoE | tied | cells | proven by |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | flavour | weights / activations | architectures | dense | MoE | tied | cells | proven by | "
+        f"loaded by the engine itself ({ENGINE_RUN_ON}; benchmarks/RESULTS.md) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: Dict[Tuple[str, str], List[Cell]] = {}
     for c in CELLS:
@@ -197,9 +212,10 @@ def markdown() -> str:
         lines.append(
             f"| {ENGINE_NAMES[engine]} | {FLAVOUR_NAMES[flavour]} | {_fmt_list(cells)} | {_archs(cells)} | "
             f"{'yes' if any(not c.moe for c in cells) else 'no'} | {'yes' if any(c.moe for c in cells) else 'no'} | "
-            f"{'yes' if any(c.tied for c in cells) else 'no'} | {len(cells)} | {PROVEN_BY[flavour]} |")
+            f"{'yes' if any(c.tied for c in cells) else 'no'} | {len(cells)} | {PROVEN_BY[flavour]} | "
+            f"{ENGINE_RUNS.get((engine, flavour), 'not run')} |")
     for eng, fl, what, why in REFUSED:
-        lines.append(f"| {eng} | {fl} | {what} | | | | | | {why} |")
+        lines.append(f"| {eng} | {fl} | {what} | | | | | | {why} | |")
     g = [c for c in CELLS if c.engine == L]
     lines += ["", f"llama.cpp's own runtime runs on every GGUF cell in `make test` ({MEASURED_ON}). The gate compares "
               "its logits with the student's forward in which every matmul input is rounded as llama.cpp's CPU "

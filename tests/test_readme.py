@@ -50,3 +50,21 @@ def test_verdict_words_and_exit_codes_match():
     for word, code in (("PASS", X.OK), ("FAIL", X.FAIL), ("INCOMPLETE", X.INCOMPLETE)):
         assert f"**{word}** (exit {code})" in text, word
     assert f"exit {X.BAD_INPUT}" in text
+
+
+def test_engine_run_numbers_match_the_results_file():
+    """The matrix's 'loaded by the engine itself' column quotes the last GPU run: its numbers must be
+    the ones in benchmarks/results/engines_vllm_h200.json."""
+    import json
+    from qatfactory.exporters.matrix import ENGINE_RUNS
+    d = json.loads((ROOT / "benchmarks" / "results" / "engines_vllm_h200.json").read_text())["cells"]
+    txt = ENGINE_RUNS[("vllm", "compressed-tensors")]
+    for cell in ("nvfp4-w4a16-ct", "mxfp4-w4a16-ct"):
+        s = d[cell]["student"]
+        assert f"{s['kl_vs_vllm']:.4f}"[:6] in txt and f"{s['kl_vs_ptq']:.2f}" in txt, cell
+        assert f"{s['greedy_vs_vllm']['token_match']:.3f}" in txt and f"{s['top1_agree']:.3f}" in txt, cell
+        tp = d[cell]["throughput_vs_bf16"]
+        assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt, cell
+    w = d["mxfp4-w4a4-ct"]["student weights only"]
+    assert f"{w['kl_vs_vllm']:.4f}" in txt and f"{d['mxfp4-w4a4-ct']['student']['kl_vs_vllm']:.2f}" in txt
+    assert not d["nvfp4-w4a16-modelopt"]["vllm"]["loaded"] and "refused" in ENGINE_RUNS[("vllm", "modelopt")]
