@@ -97,7 +97,8 @@ def test_pick_level_calibrates_to_the_band():
 
 def test_say7_is_dense_and_unknown_task_fails_by_name():
     t = R.make_task("say7", n_train=5, n_eval=3)
-    assert t.score("77x7", t.train[0], max_chars=8)["reward"] == 3 / 8
+    assert t.score("77x7", t.train[0], max_chars=8)["reward"] == 3 / 8              # 'x' is 65 code points away
+    assert t.score("68", t.train[0], max_chars=4)["reward"] == pytest.approx((1 - 1 / 32 + 1 - 1 / 32) / 4)
     assert t.score("7", t.train[0])["correct"] == 1.0
     with pytest.raises(ValueError, match=r"task='gsm9k'; allowed"):
         R.make_task("gsm9k")

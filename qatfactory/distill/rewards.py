@@ -13,8 +13,9 @@ a leading ``$``, a trailing ``.`` or ``%`` and surrounding spaces are tolerated;
 not a number is wrong. The format reward is 1 when the completion has the shape its format asks for.
 
 A task's reward for one completion is ``format_weight * format + correct_weight * correct`` (QeRL:
-0.2 and 2.0); ``say7`` is dense instead: the fraction of the completion's characters that are '7'
-(``max_new_tokens`` of them at most), so a random policy already sees a signal.
+0.2 and 2.0); ``say7`` is shaped instead, for smoke tests of a random tiny model: each character
+scores ``1 - |ord(c) - ord('7')| / 32`` (0 beyond), summed and divided by ``max_new_tokens``, so a
+uniform random policy already sees a signal on a quarter of its bytes and the optimum is all '7'.
 
 Tasks (``TASKS``): ``gsm8k`` (the packaged test split, qatfactory.assets: items 0..999 train, 1000..1318
 held out, per reproductions in ../shared/reference/methods.md), ``arith`` (templated word problems
@@ -31,6 +32,7 @@ from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 TASKS = ("say7", "arith", "gsm8k")
+SAY7_WIDTH = 32      # say7: a character scores 1 - |code point - ord('7')| / 32, 0 beyond
 ANSWER_FORMATS = ("tag", "hash")
 
 SYSTEM_TAG = ("A conversation between User and Assistant. The user asks a question, and the assistant solves it. "
@@ -154,8 +156,8 @@ class Task:
         """{'reward', 'correct', 'format'} of one completion."""
         if self.name == "say7":
             n = max(1, max_chars or len(text))
-            frac = text.count("7") / n
-            return {"reward": frac, "correct": float(text.strip() == "7"), "format": 1.0}
+            near = sum(max(0.0, 1.0 - abs(ord(c) - ord("7")) / SAY7_WIDTH) for c in text[:n])
+            return {"reward": near / n, "correct": float(text.strip() == "7"), "format": 1.0}
         ok_f = format_ok(text, self.answer_format)
         ok_c = correct(text, item.gold, self.answer_format)
         return {"reward": self.format_weight * ok_f + self.correct_weight * ok_c,
