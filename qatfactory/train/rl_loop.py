@@ -34,7 +34,10 @@ Evaluation (start, every ``train.eval_every`` steps, end; clean weights, no nois
 completions of the held-out prompts (accuracy, reward, format, entropy along the greedy path), and
 one sampled completion each at the rollout temperature from a fixed seed (pass@1, token entropy):
 the same prompts and seed for every arm, so step-0 entropies compare across formats.
-ZeRO-3 and resume are refused (not implemented for RL).
+``entropy`` in the log is the clean policy's mean token entropy over every generated token (first pass),
+``rollout_entropy`` the sampler's (noisy under AQN). ZeRO-3 and resume are refused, mid-run checkpoints
+are not written (train.save_every is ignored), and train.grad_accum is derived (completions per
+minibatch / train.micro_batch).
 """
 from __future__ import annotations
 
@@ -85,7 +88,9 @@ class PolicyLM(nn.Module):
         num = RL.loss_terms(loss_t, mask, c.loss_norm, keep)
         m = mask & keep[:, None] if keep is not None else mask
         st = RL.token_stats(info, m)
-        st["entropy_sum"] = float((ent * m.float()).sum())
+        real = attn[:, -comp.shape[1]:].bool()           # every generated token, counted in the loss or not
+        st["entropy_sum"] = float((ent * real.float()).sum())
+        st["entropy_tokens"] = float(real.sum())
         st["loss_part"] = float(num.detach()) * scale
         return num * scale, st
 
@@ -171,7 +176,7 @@ def evaluate(lm, tok, task: Task, prompts, rl_cfg: RL.RLConfig, rank: int, world
         items = [task.eval[i] for i in idx]
         g = generate(lm, ps, eos, pad, SamplingConfig(rl_cfg.max_new_tokens, 0.0, 1.0, list(rl_cfg.stop)),
                      tokenizer=tok)
-        gen = torch.Generator().manual_seed(seed + 7919 * rank)
+        gen = torch.Generator(device=device).manual_seed(seed + 7919 * rank)
         s = generate(lm, ps, eos, pad, SamplingConfig(rl_cfg.max_new_tokens, rl_cfg.temperature, rl_cfg.top_p,
                                                      list(rl_cfg.stop)), gen, tokenizer=tok)
         for i, it in enumerate(items):
@@ -278,6 +283,9 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         aqn = AQN(lm, t.max_steps, a.sigma_start, a.sigma_end, a.stages, a.indexing, a.resample, a.seed,
                   a.include_final_norm)
     log = RunLogger(run_dir, rank == 0, t.tensorboard, t.progress, t.max_steps, 0)
+    if rank == 0 and t.save_every:
+        print(f"[qatfactory] method={cfg.method.name}: no mid-run checkpoints yet (train.save_every={t.save_every} "
+              f"is ignored); the adapter / student is written at the end", flush=True)
     history: List[Dict[str, float]] = []
     frozen = AD.serving_weights(lm) if (quantized and r.lora_mode == "adapter") else None
     if frozen is not None:
@@ -359,7 +367,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                             agg[k] = agg.get(k, 0.0) + v
                         if it == 0:
                             first_ent[0] += st["entropy_sum"]
-                            first_ent[1] += st["tokens"]
+                            first_ent[1] += st["entropy_tokens"]
                     updates += 1
             # ---- log
             n_tok = roll.n_tokens()
