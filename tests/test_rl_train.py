@@ -129,9 +129,15 @@ def test_export_adapter_beside_the_verified_base_and_merged(tmp_path):
 
 
 def test_bf16_lora_arm_and_refusals(tmp_path):
-    s = _run(tmp_path / "b", "method=dapo", "format=bf16", "train.max_steps=1", "train.micro_batch=16",
-             "method.rl.n_eval=0")
+    # BF16-LoRA + AQN with the sampler's own (noisy) log-probs as the old policy: the ratio is 1 up to
+    # float error while sigma is 0 (stage 0), and visibly off 1 once the rollouts carry noise
+    s = _run(tmp_path / "b", "method=dapo", "format=bf16", "train.max_steps=2", "train.micro_batch=16",
+             "method.rl.n_eval=0", "method.rl.old_logprobs=rollout", "method.rl.aqn.enabled=true",
+             "method.rl.aqn.stages=3", "method.rl.aqn.sigma_start=0.05", "method.rl.aqn.sigma_end=0.01")
     assert s["format"] == "bf16" and Path(s["adapter_dir"]).is_dir()
+    r1, r2 = [r for r in _metrics(tmp_path / "b") if "reward" in r]
+    assert r1["aqn/sigma"] == 0 and abs(r1["ratio_mean"] - 1) < 1e-4
+    assert r2["aqn/sigma"] > 0 and abs(r2["ratio_mean"] - 1) > 1e-4, (r1["ratio_mean"], r2["ratio_mean"])
     from qatfactory.train.config import compose
     from qatfactory.train.rl_loop import check
     for over, msg in ((["train.zero_stage=3"], "zero_stage=3 is not supported"),
