@@ -207,8 +207,9 @@ def make_optimizer(params, t):
 
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     import deepspeed
-    from .engine import (_barrier, _make_run_dir, _rank_world, _resolve_device, build_model, ds_config,
-                         init_distributed, lr_lambda, quantize_api, seed_all)
+    from . import rundir
+    from .engine import (_barrier, _rank_world, _resolve_device, build_model, ds_config, init_distributed, lr_lambda,
+                         quantize_api, seed_all)
     if eval_only:
         raise ValueError("method=grpo|dapo: eval-only runs are not implemented; RL runs evaluate at the start and end")
     cfg = validate(cfg)
@@ -223,7 +224,8 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         cfg.quant.lora.targets = list(r.lora_targets)
     dev = torch.device(device, int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
     seed_all(t.seed)
-    run_dir = _make_run_dir(cfg, rank)
+    # the same run-directory rules as every run: never another run's or a user's directory
+    run_dir, _, _ = rundir.prepare(cfg, rank, world, False)
     t0 = time.time()
 
     model, tok, source_dir = build_model(cfg, dev)
