@@ -7,7 +7,7 @@ setup(
     description="Quantization-aware training/distillation for NVFP4, MXFP4 and Q4_K, bit-exact with vLLM, SGLang and llama.cpp",
     python_requires=">=3.10",
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
-    + ["qatfactory.exporters"],
+    + ["qatfactory.exporters", "qatfactory.exporters.verify"],
     package_dir={"qatfactory.exporters": "exporters"},
     package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh"]},
     install_requires=[
@@ -17,6 +17,13 @@ setup(
         "tqdm",
         "gguf>=0.17",
         "transformers>=4.56",
+        # the parity gate's third-party oracles (`qatfactory verify` is INCOMPLETE without them):
+        # compressed-tensors' compressors, libggml's C dequantizers, nvidia-modelopt's NVFP4 decode.
+        # llama.cpp's runtime (llama-cpp-python) builds for minutes, so it is not here: the gate names it
+        # when absent, and `make test` builds it (scripts/llama_cpp_runtime.py)
+        "compressed-tensors>=0.20",
+        "libggml-python==0.20.2.post1",
+        "nvidia-modelopt==0.47.0",
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "matplotlib",
@@ -25,10 +32,7 @@ setup(
         "test": [
             "pytest",
             "ml_dtypes>=0.5",
-            "libggml-python==0.20.2.post1",
             "torchao==0.18.0",
-            "nvidia-modelopt==0.47.0",
-            "compressed-tensors>=0.20",
             "deepspeed==0.19.8",
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it

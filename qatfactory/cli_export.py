@@ -2,11 +2,14 @@
 
     qatfactory export STUDENT --engine vllm --flavour modelopt --out OUT [--force]
     qatfactory export STUDENT --engine llama_cpp --out OUT [--dense-dtype bf16]
-    qatfactory verify OUT --against STUDENT [--no-logits] [--llama-cpp] [--json report.json]
+    qatfactory verify OUT --against STUDENT [--no-logits] [--no-llama-cpp] [--json report.json]
 
 STUDENT is a directory written by ``quantize.save_student``; it is rebuilt with
 ``load_student`` and turned into plain tensors with ``convert`` (this module sits at the cli
-level, so it may import quantize; the exporters never do). ``verify`` exits 1 on any mismatch.
+level, so it may import quantize; the exporters never do). Exit codes (qatfactory.exitcodes):
+0 PASS, 1 FAIL, 2 INCOMPLETE (a required check could not run: the message says what to install,
+or it was opted out of), 4 BAD_INPUT (no such export / student, or an export the engine cannot
+load was refused), 3 USAGE.
 """
 from __future__ import annotations
 
@@ -58,8 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="reload an export with third-party code and compare it with the student")
     v.add_argument("export_dir")
     v.add_argument("--against", required=True, help="save_student directory the export was made from")
-    v.add_argument("--no-logits", action="store_true", help="skip the logits comparison (bytes and weights only)")
-    v.add_argument("--llama-cpp", action="store_true", help="require the llama.cpp runtime check (llama-cpp-python)")
+    v.add_argument("--no-logits", action="store_true",
+                   help="skip the logits comparisons (bytes and weights only); the verdict is then INCOMPLETE at best")
+    v.add_argument("--no-llama-cpp", action="store_true",
+                   help="GGUF: skip llama.cpp's own runtime (required otherwise); the verdict is then INCOMPLETE at best")
+    v.add_argument("--llama-cpp", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    v.add_argument("--source-dir", default=None,
+                   help="base model dir the export copied tokenizer/generation config/chat template from (as for export)")
     v.add_argument("--json", default=None, help="also write the structured result here")
     v.add_argument("--quiet", action="store_true", help="print failures and the verdict only")
     return p
@@ -68,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
 def _print_result(res, quiet: bool) -> None:
     if quiet:
         lines = res.table().splitlines()
-        print("\n".join([lines[0]] + [ln for ln in lines[1:-1] if "  FAIL  " in ln] + [lines[-1]]))
+        keep = [ln for ln in lines[1:] if "  FAIL  " in ln or "  INCOMPLETE  " in ln or
+                ln.startswith(("verdict:", "to complete", "note:"))]
+        print("\n".join([lines[0]] + keep))
     else:
         print(res.table())
 
@@ -93,6 +103,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return X.report(f"qatfactory {args.cmd}", e, X.RUN_FAILED)
 
 
+def verdict_code(res) -> int:
+    from qatfactory import exitcodes as X
+    return {"PASS": X.OK, "FAIL": X.FAIL, "INCOMPLETE": X.INCOMPLETE}[res.verdict]
+
+
 def _run(args) -> int:
     from qatfactory.exporters import export, verify
 
@@ -112,15 +127,18 @@ def _run(args) -> int:
         if args.verify:
             res = verify(r.path, cm)
             _print_result(res, quiet=False)
-            return 0 if res.ok else 1
+            return verdict_code(res)
         return 0
-    cm = load_converted(args.against)
-    res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=True if args.llama_cpp else None)
+    import os
+    if not os.path.isdir(args.export_dir):
+        raise FileNotFoundError(f"export directory {args.export_dir!r} does not exist")
+    cm = load_converted(args.against, args.source_dir)
+    res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=not args.no_llama_cpp)
     _print_result(res, args.quiet)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res.to_dict(), f, indent=2)
-    return 0 if res.ok else 1
+    return verdict_code(res)
 
 
 if __name__ == "__main__":  # pragma: no cover

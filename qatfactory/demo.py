@@ -564,9 +564,11 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
                 if verify_exports:
                     v = verify(edir, converted)
                     e["ok"] = bool(v.ok)
+                    e["verdict"] = v.verdict
                     e["checks"] = len(v.checks)
                     e["failed"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.failures][:10]
-                    e["skipped"] = sum(1 for c in v.checks if c.status == "skip")
+                    e["not_run"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.incomplete][:10]
+                    e["install"] = v.to_install()
                     e["logits"] = {k: v.logits[k] for k in v.logits} if isinstance(v.logits, dict) else {}
                     (edir.parent / f"{edir.name}.verify.txt").write_text(v.table())
                 else:
@@ -575,8 +577,7 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
                 e["ok"] = False
                 e["error"] = f"{type(ex).__name__}: {ex}"
             e["seconds"] = time.time() - te
-            verdict = {True: "PASS", False: "FAIL", None: "not run"}[e["ok"]]
-            _say(f"[{key}] export {engine_name}/{flavour}: {verdict}" + (f" ({e['error']})" if "error" in e else ""))
+            _say(f"[{key}] export {engine_name}/{flavour}: {_verdict(e)}")
             r["exports"].append(e)
         r["seconds"] = time.time() - tt
         del engine, lm, converted, summary
@@ -679,7 +680,9 @@ def _short(results: Dict[str, Any]) -> str:
 def _verdict(e: Dict[str, Any]) -> str:
     if e.get("error"):
         return "FAIL (" + e["error"][:120] + ")"
-    return {True: "PASS", False: "FAIL", None: "not run"}[e.get("ok")]
+    if e.get("verdict") == "INCOMPLETE":
+        return "INCOMPLETE (" + ("; ".join(e.get("install") or []) or "a check was not run") + ")"
+    return e.get("verdict") or {True: "PASS", False: "FAIL", None: "not run"}[e.get("ok")]
 
 
 def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> str:
@@ -797,10 +800,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(line)
     print(f"\nreport: {out / 'report.md'}   plots: {out / 'plots'}")
     ok_kl = all(r["qad"]["kl"] < r["ptq"]["kl"] for r in results["targets"].values())
-    ok_gate = all(e.get("ok") is not False for r in results["targets"].values() for e in r["exports"])
-    if not ok_gate:
+    verdicts = [_verdict(e) for r in results["targets"].values() for e in r["exports"] if e.get("ok") is not None
+                or e.get("error")]
+    if any(v.startswith("FAIL") for v in verdicts):
         print("[demo] an export FAILED the parity gate; see the report", file=sys.stderr)
         return 1
+    if any(v.startswith("INCOMPLETE") for v in verdicts):
+        print("[demo] the parity gate could not run every required check (INCOMPLETE); see the report",
+              file=sys.stderr)
+        return 2
     if not ok_kl:
         print("[demo] QAD did not beat PTQ on held-out KL for every target (see the report)", file=sys.stderr)
     return 0

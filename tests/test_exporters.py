@@ -14,43 +14,40 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_exporters_helpers import source_dir, student
+from test_exporters_helpers import cell_student, cells, source_dir, student
 
 from qatfactory.exporters import ExportError, export, verify
 from qatfactory.exporters import base as ex_base
 
-# (engine, flavour, kind, weight format, activation format, extra excludes)
-CASES = [
-    ("vllm", "modelopt", "llama", "nvfp4", "nvfp4_act", None),
-    ("vllm", "compressed-tensors", "llama", "nvfp4", "nvfp4_act", None),
-    ("sglang", "modelopt", "qwen3_moe", "nvfp4", "nvfp4_act", None),
-    ("vllm", "compressed-tensors", "qwen3_moe", "nvfp4", None, None),
-    ("sglang", "compressed-tensors", "qwen3", "nvfp4", "nvfp4_act", None),
-    ("vllm", "compressed-tensors", "qwen3", "mxfp4", None, None),
-    ("sglang", "modelopt", "qwen2", "nvfp4", None, None),             # q/k/v biases stay bf16
-    ("vllm", "compressed-tensors", "qwen3_moe", "mxfp4_rceil", "mxfp4_rceil", None),
-    ("sglang", "compressed-tensors", "qwen3_moe", "mxfp4", None, ["*.self_attn.*"]),
-]
+# this file's cells of the supported matrix (qatfactory/exporters/matrix.py): safetensors, dense and MoE
+CELLS = cells(lambda c: c.engine in ("vllm", "sglang") and c.kind in ("llama", "qwen2", "qwen3", "qwen3_moe"))
 
 
-def _id(c):
-    return f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4] or 'a16'}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_export_passes_gate(tmp_path, case):
-    engine, flavour, kind, fmt, act, excl = case
-    cm = student(kind, fmt, act, exclude=excl)
+@pytest.mark.parametrize("cell", CELLS)
+def test_export_passes_gate(tmp_path, cell):
+    engine, flavour, kind, fmt, act = cell.engine, cell.flavour, cell.kind, cell.fmt, cell.act
+    cm = cell_student(cell)
     out = tmp_path / "export"
     res = export(cm, out, engine=engine, flavour=flavour)
     v = verify(out, cm)
-    assert v.ok, v.table()
-    checks = {(c.tensor, c.check) for c in v.checks}
-    for name in cm.packed:  # every packed tensor went through all three levels
+    assert v.verdict == "PASS" and v.ok, v.table()
+    checks = {(c.tensor, c.check) for c in v.checks if c.status == "ok"}
+    for name in cm.packed:  # every packed tensor went through bytes and the engine library's decode
         m = name[: -len(".weight")]
         assert (m, "bytes") in checks and (m, "weights") in checks
-    assert any(c.check.startswith(("transformers", "compressed_tensors")) and c.status == "ok" for c in v.checks)
-    assert all(c.status == "ok" for c in v.checks if c.tensor == "logits")
+        if flavour == "modelopt":
+            assert (m, "weights (vLLM rule)") in checks
+    srcs = {c.source for c in v.checks if c.check == "weights"}
+    from qatfactory.exporters.verify.safetensors import layout_of
+    lay = layout_of(fmt)
+    ct_name = {"nvfp4": "NVFP4PackedCompressor", "mxfp4": "MXFP4PackedCompressor",
+               "int4": "PackedQuantizationCompressor"}[lay]          # int4: the ParetoQ 4-bit LSQ grid
+    assert srcs == ({"nvidia-modelopt NVFP4QTensor.dequantize"} if flavour == "modelopt" else
+                    {f"compressed_tensors {ct_name}.decompress"}), srcs
+    assert [c for c in v.checks if c.tensor == "logits" and c.status == "ok" and "bit-identical" in c.detail]
+    assert ("config.json", "model config == student") in checks and ("tensors", "none extra") in checks
+    assert any(c.tensor == "modules" and c.status == "ok" for c in v.checks)
+    assert any("GPU" in n for n in v.notes)  # says where the engine itself runs
 
     # container facts the engines rely on
     files = set(res.files)
@@ -84,12 +81,14 @@ def test_export_passes_gate(tmp_path, case):
         assert (any_m + ".input_scale" in sd) == bool(act)
     else:
         assert qc["quant_method"] == "compressed-tensors"
-        assert qc["format"] == ("nvfp4-pack-quantized" if fmt == "nvfp4" else "mxfp4-pack-quantized")
+        assert qc["format"] == {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized",
+                                "int4": "pack-quantized"}[lay]
         g = qc["config_groups"]["group_0"]
         assert (g["input_activations"] is not None) == bool(act)
     rec = json.loads((out / "qatfactory.json").read_text())
     assert rec["engine"] == engine and rec["weight_formats"] == [fmt]
-    assert rec["numerics"][fmt]["block_size"] in (16, 32) and rec["numerics"][fmt]["engine"]
+    assert rec["numerics"][fmt]["block_size"] in ((16, 32) if lay != "int4" else (0, 32, 128))
+    assert rec["numerics"][fmt]["engine"]
 
 
 def test_fused_groups_share_scales_on_disk(tmp_path):
@@ -194,7 +193,13 @@ def test_sharded_index(tmp_path):
     for s in shards:
         names |= set(load_file(str(out / s)))
     assert names == set(idx["weight_map"])
-    assert verify(out, cm, logits=False).ok
+    v = verify(out, cm)
+    assert v.verdict == "PASS", v.table()
+    # opting out of the logits can never give PASS
+    v = verify(out, cm, logits=False)
+    assert v.verdict == "INCOMPLETE" and not v.ok and not v.failures
+    assert [(c.tensor, c.check) for c in v.incomplete] == [("logits", "transformers")]
+    assert "opted out" in v.incomplete[0].detail and "verdict: INCOMPLETE" in v.table()
 
 
 def test_gate_catches_a_flipped_byte(tmp_path):
@@ -219,10 +224,10 @@ def test_gate_catches_a_missing_config_key(tmp_path):
     cm = student("llama", "nvfp4", None)
     out = tmp_path / "e"
     export(cm, out, engine="sglang", flavour="modelopt")
-    assert verify(out, cm, logits=False).ok
+    assert verify(out, cm).ok
     hq = json.loads((out / "hf_quant_config.json").read_text())
     del hq["quantization"]["kv_cache_quant_algo"]  # vLLM raises on exactly this
     (out / "hf_quant_config.json").write_text(json.dumps(hq))
-    v = verify(out, cm, logits=False)
-    assert [(c.tensor, c.check) for c in v.failures] == [("hf_quant_config.json", "config")]
+    v = verify(out, cm)
+    assert [(c.tensor, c.check) for c in v.failures] == [("hf_quant_config.json", "config == student")]
     assert "kv_cache_quant_algo" in v.failures[0].detail

@@ -11,6 +11,7 @@ import torch
 from test_exporters_helpers import VOCAB, source_dir, tiny_config
 
 from qatfactory.cli_export import main
+from qatfactory.exitcodes import BAD_INPUT, FAIL, INCOMPLETE, USAGE
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +42,22 @@ def test_cli_export_verify_roundtrip(student_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "verdict: PASS" in text and "model.layers.0.self_attn.q_proj" in text
     r = json.loads(rep.read_text())
-    assert r["ok"] and r["engine"] == "vllm" and any(c["check"] == "weights" for c in r["checks"])
+    assert r["ok"] and r["verdict"] == "PASS" and r["engine"] == "vllm"
+    assert any(c["check"] == "weights" for c in r["checks"])
 
     # an existing output needs --force (exit 4, BAD_INPUT)
     capsys.readouterr()
-    assert main(["export", str(student_dir), "--engine", "sglang", "--flavour", "ct", "--out", str(out)]) == 4
+    assert main(["export", str(student_dir), "--engine", "sglang", "--flavour", "ct", "--out", str(out)]) == BAD_INPUT
     assert "already exists" in capsys.readouterr().err
     assert main(["export", str(student_dir), "--engine", "sglang", "--flavour", "ct", "--out", str(out),
                  "--force"]) == 0
     assert not (out / "hf_quant_config.json").exists()
-    assert main(["verify", str(out), "--against", str(student_dir), "--no-logits", "--quiet"]) == 0
+    assert main(["verify", str(out), "--against", str(student_dir), "--quiet"]) == 0
+    # an opt-out is never a pass: exit 2 (INCOMPLETE), and the table says why
+    capsys.readouterr()
+    assert main(["verify", str(out), "--against", str(student_dir), "--no-logits", "--quiet"]) == INCOMPLETE
+    text = capsys.readouterr().out
+    assert "verdict: INCOMPLETE" in text and "opted out" in text
 
     # the gate exits non-zero when the export no longer matches the student
     from safetensors.torch import load_file, save_file
@@ -59,7 +66,7 @@ def test_cli_export_verify_roundtrip(student_dir, tmp_path, capsys):
     sd[k] = (sd[k].view(torch.uint8) + 1).view(torch.float8_e4m3fn)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     capsys.readouterr()
-    assert main(["verify", str(out), "--against", str(student_dir), "--quiet"]) == 1
+    assert main(["verify", str(out), "--against", str(student_dir), "--quiet"]) == FAIL
     text = capsys.readouterr().out
     assert "verdict: FAIL" in text and "o_proj" in text
 
@@ -68,9 +75,21 @@ def test_cli_gguf(student_dir, tmp_path, capsys):
     out = tmp_path / "gguf"
     assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(out), "--verify"]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
-    assert main(["export", str(student_dir), "--engine", "tgi", "--out", str(out)]) == 3   # USAGE
+    assert main(["export", str(student_dir), "--engine", "tgi", "--out", str(out)]) == USAGE
     capsys.readouterr()
     assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(tmp_path / "x"),
-                 "--dense-dtype", "f16"]) == 0
-    assert main(["verify", str(tmp_path / "nope"), "--against", str(student_dir)]) == 4   # BAD_INPUT
+                 "--dense-dtype", "f32", "--verify"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    # f16 cannot hold every bf16 value (tiny ones go subnormal): the gate names the tensors, exit 1
+    assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(tmp_path / "h"),
+                 "--dense-dtype", "f16", "--verify"]) == FAIL
+    text = capsys.readouterr().out
+    assert "verdict: FAIL" in text and "model.embed_tokens.weight" in text and "F16:" in text
+    # no such export / not an export: BAD_INPUT with the reason
+    assert main(["verify", str(tmp_path / "nope"), "--against", str(student_dir)]) == BAD_INPUT
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty"), "--against", str(student_dir)]) == BAD_INPUT
     assert "not a qatfactory export" in capsys.readouterr().err
+    # GGUF without llama.cpp's runtime, by choice: INCOMPLETE, never PASS
+    assert main(["verify", str(out), "--against", str(student_dir), "--no-llama-cpp"]) == INCOMPLETE

@@ -103,3 +103,93 @@ def student(kind: str, fmt: str, act: Optional[str] = None, exclude=None, rules=
     if key not in _CACHE:
         _CACHE[key] = make_student(kind, fmt, source_dir(), act=act, exclude=exclude, rules=rules)
     return _CACHE[key]
+
+
+# ------------------------------------------------------------------------------ Mixtral / tied / matrix cells
+MIXTRAL = dict(H=256, INTER=64, LAYERS=2, EXPERTS=4, TOPK=2, VOCAB=128, HEADS=4, KV_HEADS=2)
+TIED_VOCAB = 128
+
+
+def mixtral_student(fmt: str, act=None, rules=(), preset=None, exclude=()) -> ConvertedModel:
+    """A tiny random Mixtral (transformers MixtralForCausalLM) prepared/calibrated/converted with the
+    real quantize API (cached: treat the result as read-only)."""
+    key = ("mixtral", fmt, act, tuple(rules), preset, tuple(exclude))
+    if key in _CACHE:
+        return _CACHE[key]
+    import transformers as T
+
+    from qatfactory.quantize import DEFAULT_EXCLUDE, ModuleRule, QuantConfig, calibrate, convert, prepare
+
+    m = MIXTRAL
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(vocab_size=m["VOCAB"], hidden_size=m["H"], intermediate_size=m["INTER"],
+                          num_hidden_layers=m["LAYERS"], num_attention_heads=m["HEADS"],
+                          num_key_value_heads=m["KV_HEADS"], num_local_experts=m["EXPERTS"],
+                          num_experts_per_tok=m["TOPK"], max_position_embeddings=64, tie_word_embeddings=False)
+    model = T.MixtralForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # std 0.02 gives flat logits and near-tied routing; spread them
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+            if n.endswith(".gate.weight"):
+                p.mul_(6)
+    if preset:
+        qc = QuantConfig.preset(preset)
+    else:
+        qc = QuantConfig(weight_format=fmt, act_format=act, rules=[ModuleRule(**dict(r)) for r in rules],
+                         exclude=list(DEFAULT_EXCLUDE) + list(exclude))
+    prepare(model, qc)
+    if act:
+        calibrate(model, [torch.randint(0, m["VOCAB"], (1, 16), generator=torch.Generator().manual_seed(0))])
+    _CACHE[key] = convert(model)
+    return _CACHE[key]
+
+
+def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True) -> ConvertedModel:
+    """Tiny random Llama/Qwen3 (hidden 128, 2 layers) with tied (or, tie=False, untied) embeddings,
+    prepared/calibrated/converted with the real quantize API (cached: read-only)."""
+    key = ("tied", kind, fmt, act, preset, tie)
+    if key in _CACHE:
+        return _CACHE[key]
+    import transformers as T
+
+    from qatfactory.quantize import QuantConfig, calibrate, convert, prepare
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TIED_VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tie)
+    if kind == "llama":
+        model = T.LlamaForCausalLM._from_config(T.LlamaConfig(**common), dtype=torch.bfloat16)
+    else:
+        model = T.Qwen3ForCausalLM._from_config(T.Qwen3Config(head_dim=64, **common), dtype=torch.bfloat16)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+    qc = QuantConfig.preset(preset) if preset else QuantConfig(weight_format=fmt, act_format=act)
+    prepare(model, qc)
+    if act:
+        calibrate(model, [torch.randint(0, TIED_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
+    _CACHE[key] = convert(model)
+    return _CACHE[key]
+
+
+def cell_student(cell) -> ConvertedModel:
+    """The student of a matrix cell (qatfactory.exporters.matrix.Cell)."""
+    if cell.kind == "mixtral":
+        return mixtral_student(cell.fmt, cell.act, rules=cell.rules, preset=cell.preset, exclude=cell.exclude)
+    if cell.kind.endswith("_tied"):
+        return tied_student(cell.kind[: -len("_tied")], cell.fmt, cell.act, preset=cell.preset)
+    if cell.preset:
+        raise ValueError(f"{cell.id}: presets are only wired for mixtral / tied students")
+    return student(cell.kind, cell.fmt, cell.act, exclude=list(cell.exclude) or None,
+                   rules=[dict(r) for r in cell.rules] or None)
+
+
+def cells(pred):
+    """Matrix cells matching ``pred``, as pytest params with their ids."""
+    import pytest
+
+    from qatfactory.exporters.matrix import CELLS
+    return [pytest.param(c, id=c.id) for c in CELLS if pred(c)]

@@ -55,6 +55,7 @@ def lowbit_student(formats, dtype=torch.float32, seed=0, strategy="learnable"):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     model.to(dtype)                # the step in float32 (an fp16 AdamW step underflows), then the model dtype
+    model.config.dtype = dtype
     cm = convert(model)
     cm.source_dir = str(source_dir())
     return cm

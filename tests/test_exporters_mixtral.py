@@ -10,7 +10,6 @@ transformers' own GGUF un-permutation below.
 """
 from __future__ import annotations
 
-import functools
 import json
 
 import numpy as np
@@ -18,42 +17,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from test_exporters_helpers import MIXTRAL, cell_student, cells, mixtral_student
+
 from qatfactory.exporters import export, verify
 from qatfactory.formats import get_format
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 
-H, INTER, LAYERS, EXPERTS, TOPK, VOCAB, HEADS, KV_HEADS = 256, 64, 2, 4, 2, 128, 4, 2
+H, INTER, LAYERS, EXPERTS, TOPK, VOCAB, HEADS, KV_HEADS = (MIXTRAL[k] for k in (
+    "H", "INTER", "LAYERS", "EXPERTS", "TOPK", "VOCAB", "HEADS", "KV_HEADS"))
 
 
-@functools.lru_cache(maxsize=None)
 def mixtral(fmt: str, act=None, rules=(), preset=None, exclude=()):
-    """A tiny random Mixtral prepared/calibrated/converted with the real quantize API (cached:
-    treat the result as read-only)."""
-    import transformers as T
-
-    from qatfactory.quantize import DEFAULT_EXCLUDE, ModuleRule, QuantConfig, calibrate, convert, prepare
-
-    torch.manual_seed(0)
-    cfg = T.MixtralConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_local_experts=EXPERTS,
-                          num_experts_per_tok=TOPK, max_position_embeddings=64, tie_word_embeddings=False)
-    model = T.MixtralForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():  # std 0.02 gives flat logits and near-tied routing; spread them
-        for n, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.06)
-            if n.endswith(".gate.weight"):
-                p.mul_(6)
-    if preset:
-        qc = QuantConfig.preset(preset)
-    else:
-        qc = QuantConfig(weight_format=fmt, act_format=act, rules=[ModuleRule(**dict(r)) for r in rules],
-                         exclude=list(DEFAULT_EXCLUDE) + list(exclude))
-    prepare(model, qc)
-    if act:
-        calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
-    return convert(model)
+    return mixtral_student(fmt, act, rules=rules, preset=preset, exclude=exclude)
 
 
 def _expert(layer: int, e: int, proj: str) -> str:
@@ -65,24 +41,17 @@ def _router(layer: int) -> str:
 
 
 # ------------------------------------------------------------------------------ safetensors
-# (engine, flavour, weight format, activation format, extra excludes)
-ST_CASES = [
-    ("vllm", "modelopt", "nvfp4", None, ()),                     # W4A16_NVFP4
-    ("sglang", "modelopt", "nvfp4", "nvfp4_act", ()),            # NVFP4 (W4A4)
-    ("vllm", "compressed-tensors", "nvfp4", "nvfp4_act", ()),    # nvfp4-pack-quantized W4A4
-    ("vllm", "compressed-tensors", "mxfp4", None, ()),           # mxfp4-pack-quantized
-    ("sglang", "compressed-tensors", "mxfp4", None, ("*.self_attn.*",)),  # SGLang: MXFP4 experts only
-]
+ST_CELLS = cells(lambda c: c.kind == "mixtral" and c.engine != "llama_cpp")
 
 
-@pytest.mark.parametrize("case", ST_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3] or 'a16'}" for c in ST_CASES])
-def test_mixtral_safetensors_gate(tmp_path, case):
-    engine, flavour, fmt, act, excl = case
-    cm = mixtral(fmt, act, exclude=excl)
+@pytest.mark.parametrize("cell", ST_CELLS)
+def test_mixtral_safetensors_gate(tmp_path, cell):
+    engine, flavour, fmt, act, excl = cell.engine, cell.flavour, cell.fmt, cell.act, cell.exclude
+    cm = cell_student(cell)
     out = tmp_path / "e"
     res = export(cm, out, engine=engine, flavour=flavour)
     v = verify(out, cm)
-    assert v.ok, v.table()
+    assert v.verdict == "PASS", v.table()
     for name in cm.packed:
         m = name[: -len(".weight")]
         assert {c.check for c in v.checks if c.tensor == m and c.status == "ok"} >= {"bytes", "weights"}, m
@@ -154,30 +123,30 @@ def _field(reader, key):
     return f.parts[f.data[0]].tolist()[0]
 
 
-# (id, mixtral() args, expected GGML type of the stacked experts per layer (gate, up, down))
-GGUF_CASES = [
-    ("q4_k_m", dict(fmt="q4_k_m", preset="q4_k"),
-     # llama.cpp's Q4_K_M: ffn_down wants Q6_K where use_more_bits(layer, 2) (layer 1 of 2), Q4_K
-     # elsewhere; its rows of INTER=64 hold no 256-block, so llama.cpp's fallbacks Q8_0 / Q5_0
-     [("Q4_K", "Q4_K", "Q5_0"), ("Q4_K", "Q4_K", "Q8_0")]),
-    ("mxfp4_ggml-experts", dict(fmt="mxfp4_ggml", rules=((("pattern", "*.self_attn.*"), ("weight", "q8_0")),)),
-     [("MXFP4",) * 3] * LAYERS),
-    ("nvfp4-w4a4", dict(fmt="nvfp4", act="nvfp4_act"), [("NVFP4",) * 3] * LAYERS),
-]
+# expected GGML type of the stacked experts per layer (gate, up, down), by the cell's weight format
+EXP_TYPES = {
+    # llama.cpp's Q4_K_M: ffn_down wants Q6_K where use_more_bits(layer, 2) (layer 1 of 2), Q4_K
+    # elsewhere; its rows of INTER=64 hold no 256-block, so llama.cpp's fallbacks Q8_0 / Q5_0
+    "q4_k_m": [("Q4_K", "Q4_K", "Q5_0"), ("Q4_K", "Q4_K", "Q8_0")],
+    "mxfp4_ggml": [("MXFP4",) * 3] * LAYERS,
+    "nvfp4": [("NVFP4",) * 3] * LAYERS,
+}
+GGUF_CELLS = cells(lambda c: c.kind == "mixtral" and c.engine == "llama_cpp")
 
 
-@pytest.mark.parametrize("case", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
-def test_mixtral_gguf_gate(tmp_path, case):
-    _, kw, exp_types = case
-    cm = mixtral(**kw)
+@pytest.mark.parametrize("cell", GGUF_CELLS)
+def test_mixtral_gguf_gate(tmp_path, cell):
+    exp_types = EXP_TYPES[cell.fmt]
+    kw = {"preset": cell.preset}
+    cm = cell_student(cell)
     out = tmp_path / "g"
     res = export(cm, out, engine="llama_cpp")
-    v = verify(out, cm, llama_cpp=False)
-    assert v.ok, v.table()
+    v = verify(out, cm)  # includes llama.cpp's own runtime (llama arch + _exps)
+    assert v.verdict == "PASS", v.table()
     for name in cm.packed:
         assert {c.check for c in v.checks if c.tensor == name and c.status == "ok"} >= \
             {"bytes", "weights", "weights (libggml C)"}, name
-    assert [c for c in v.checks if c.tensor == "logits" and c.status == "ok"]
+    assert {c.check for c in v.checks if c.tensor == "logits" and c.status == "ok"} >= {"llama.cpp runtime"}
 
     path = out / "model.gguf"
     r = gguf.GGUFReader(str(path))
@@ -233,18 +202,6 @@ def test_mixtral_gguf_gate(tmp_path, case):
         assert t["output.weight"].tensor_type.name == "Q6_K"
     else:
         assert t["output.weight"].tensor_type.name == "BF16"
-
-
-@pytest.mark.llama_cpp
-def test_mixtral_llama_cpp_runtime(tmp_path):
-    """llama.cpp itself loads the Mixtral-style GGUF (llama arch + _exps) and follows the student."""
-    pytest.importorskip("llama_cpp")
-    cm = mixtral("q4_k_m", preset="q4_k")
-    out = tmp_path / "g"
-    export(cm, out, engine="llama_cpp")
-    v = verify(out, cm, llama_cpp=True)
-    assert v.ok, v.table()
-    assert v.logits["llama.cpp"]["max_rel"] < 0.05
 
 
 def test_mixtral_refusals(tmp_path):

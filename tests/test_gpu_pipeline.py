@@ -189,8 +189,10 @@ def test_smoke_run_two_gloo_ranks(tmp_path, tiny_gguf_assets):
     assert F["ptq"]["kl"] > 0 and F["qad"]["kl"] > 0 and F["ptq"]["tokens"] == F["qad"]["tokens"] == T["tokens"]
     assert F["ptq"]["bits"]["bits_quantized"] == pytest.approx(4.5, abs=0.01)   # + the fp32 tensor scales
     # the trainer's own first evaluation is the same PTQ student (same recipe, same calibration samples)
+    # on the same held-out tokens: equal up to float summation order (measured 5e-8 relative on
+    # 2 gloo ranks vs one process), so any other student or calibration shows
     kl0 = F["train"]["trainer"]["eval_first"]["eval/kl"]
-    assert kl0 == pytest.approx(F["ptq"]["kl"], rel=0.05)
+    assert kl0 == pytest.approx(F["ptq"]["kl"], rel=1e-5)
     assert all(e["status"] == "PASS" for e in F["exports"]) and len(F["exports"]) == 2
     assert {k: v["problems"] for k, v in Q["gsm8k"].items()} == {"teacher": 2, "ptq": 2, "qad": 2}
 

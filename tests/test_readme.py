@@ -2,6 +2,7 @@
 import re
 from pathlib import Path
 
+from qatfactory.exporters.matrix import markdown as matrix_markdown
 from qatfactory.formats.__main__ import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,38 @@ def test_reliability_table_has_every_exit_code():
         assert f"| exit {code} | {name} | {meaning} |" in rows, (code, name)
     assert rows.count("| exit ") == len(TABLE)
     assert "weights_only=True" in rows and "FAILED.json" in rows
+
+
+def test_support_matrix_is_the_tested_cells():
+    """The README's supported matrix is generated from the same cells the gate tests run."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- support-matrix -->\n(.*?)\n<!-- /support-matrix -->", text, re.S)
+    assert m, "README lost its support-matrix markers"
+    assert m.group(1).strip() == matrix_markdown().strip(), (
+        "README support matrix is out of date: regenerate it with `python -m qatfactory.exporters.matrix`")
+
+
+def test_verdict_words_and_exit_codes_match():
+    from qatfactory import exitcodes as X
+    text = (ROOT / "README.md").read_text()
+    for word, code in (("PASS", X.OK), ("FAIL", X.FAIL), ("INCOMPLETE", X.INCOMPLETE)):
+        assert f"**{word}** (exit {code})" in text, word
+    assert f"exit {X.BAD_INPUT}" in text
+
+
+def test_engine_run_numbers_match_the_results_file():
+    """The matrix's 'loaded by the engine itself' column quotes the last GPU run: its numbers must be
+    the ones in benchmarks/results/engines_vllm_h200.json."""
+    import json
+    from qatfactory.exporters.matrix import ENGINE_RUNS
+    d = json.loads((ROOT / "benchmarks" / "results" / "engines_vllm_h200.json").read_text())["cells"]
+    txt = ENGINE_RUNS[("vllm", "compressed-tensors")]
+    for cell in ("nvfp4-w4a16-ct", "mxfp4-w4a16-ct"):
+        s = d[cell]["student"]
+        assert f"{s['kl_vs_vllm']:.4f}"[:6] in txt and f"{s['kl_vs_ptq']:.2f}" in txt, cell
+        assert f"{s['greedy_vs_vllm']['token_match']:.3f}" in txt and f"{s['top1_agree']:.3f}" in txt, cell
+        tp = d[cell]["throughput_vs_bf16"]
+        assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt, cell
+    w = d["mxfp4-w4a4-ct"]["student weights only"]
+    assert f"{w['kl_vs_vllm']:.4f}" in txt and f"{d['mxfp4-w4a4-ct']['student']['kl_vs_vllm']:.2f}" in txt
+    assert not d["nvfp4-w4a16-modelopt"]["vllm"]["loaded"] and "refused" in ENGINE_RUNS[("vllm", "modelopt")]

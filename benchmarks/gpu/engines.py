@@ -204,6 +204,10 @@ def phase_students(a) -> Dict[str, Any]:
     write_json(work / "tokens.json", ids)
     state: Dict[str, Any] = {"prep": prep, "cells": {}, "formats": {}, "args": vars(a)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    # each trainer process makes its own one-rank group on a free port: a port or rank left in this
+    # process's environment (by a launcher, or an earlier in-process run) must not be inherited
+    for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
     fmts = sorted({c.fmt for c in CELLS if c.model == "smollm2" and c.name in a.cells})
     # the QAD runs are small for an H200: all of them at once, one process each, while the PTQ
     # students are calibrated here

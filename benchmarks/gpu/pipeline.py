@@ -653,7 +653,8 @@ class ExportJob:
                 self._set(status="export refused" if p.rc == 2 else "export failed", error=p.tail(6))
                 return
             self._set(bytes=du(self.edir), path=str(self.edir))
-            args = [str(self.edir), "--against", str(self.student), "--json", str(self.vjson), "--quiet"]
+            args = [str(self.edir), "--against", str(self.student), "--json", str(self.vjson), "--quiet"] + \
+                (["--source-dir", self.source_dir] if self.source_dir else [])
             self._set(verify_command="qatfactory verify " + " ".join(args))
             p = self._cli("verify", args)
             r: Dict[str, Any] = {"verify_s": p.seconds, "verify_rc": p.rc}
@@ -661,7 +662,9 @@ class ExportJob:
                 v = json.loads(self.vjson.read_text())
                 checks = v.get("checks", [])
                 r["verify_ok"] = bool(v.get("ok"))
-                r["checks"] = {st: sum(c["status"] == st for c in checks) for st in ("ok", "FAIL", "skip")}
+                r["checks"] = {st: sum(c["status"] == st for c in checks) for st in ("ok", "FAIL", "INCOMPLETE")}
+                r["verdict"] = v.get("verdict") or ("PASS" if v.get("ok") else "FAIL")
+                r["install"] = v.get("install") or []
                 r["failures"] = [f"{c['tensor']}: {c['check']}: {c['detail']}"[:200]
                                  for c in checks if c["status"] == "FAIL"][:8]
                 lg = v.get("logits") or {}
@@ -669,7 +672,8 @@ class ExportJob:
             else:
                 r["verify_ok"] = False
                 r["error"] = p.tail(6)
-            r["status"] = "PASS" if r["verify_ok"] else "FAIL"
+            # PASS / FAIL / INCOMPLETE (a required check could not run: r["install"] says what is missing)
+            r["status"] = r.get("verdict") or ("PASS" if r["verify_ok"] else "FAIL")
             self._set(**r)
         except Exception as e:
             self._set(status="error", error=f"{type(e).__name__}: {e}")
@@ -1058,7 +1062,7 @@ def _export_rows(rows: List[Dict[str, Any]], label: str) -> List[str]:
         elif e.get("error"):
             extra = e["error"].strip().splitlines()[-1][:160] if e["error"].strip() else ""
         ch = e.get("checks") or {}
-        checks = f"{ch.get('ok', 0)} ok / {ch.get('FAIL', 0)} fail / {ch.get('skip', 0)} skip" if ch else "-"
+        checks = f"{ch.get('ok', 0)} ok / {ch.get('FAIL', 0)} fail / {ch.get('INCOMPLETE', 0)} not run" if ch else "-"
         L.append(f"| {label} | {e['engine']} / {e['flavour']} | {_f(e.get('export_s'))} s | {size} | **{e['status']}** | "
                  f"{checks} | {_f(e.get('verify_s'))} s | {extra} |")
     return L

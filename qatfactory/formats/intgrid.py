@@ -91,7 +91,8 @@ class IntGrid(CheckedInput, Format):
             raise ValueError(f"IntGrid scale grid {grid!r}; allowed: 'fp16', or 'bf16' for LSQ grids")
         self.family, self.qn, self.qp, self.layout, self.group = family, qn, qp, layout, group
         self.grid = grid      # bf16: d on bf16's grid (8 significant bits), still stored as fp16
-        self.scale_floor = float(EPS)   # the least alpha ParetoQ's forward uses
+        # the least alpha this grid uses: ParetoQ's floor 1e-5, rounded up onto the grid (~1.0014e-5)
+        self.scale_floor = float(self.alpha_of_d_np(self.d_of_alpha_np(np.zeros(1, np.float32)))[0])
 
     # ---------------------------------------------------------------- shapes
     def check_input(self, x) -> None:

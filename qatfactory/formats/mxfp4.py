@@ -501,7 +501,8 @@ register(MXFP4Format(FormatSpec(
     name="mxfp4_rceil", engine="triton_kernels downcast_to_mxfp ROUND_UP (= cvt.rp.satfinite.ue8m0, "
                                "cuBLAS/FlashInfer/TRT-LLM MXFP4 recipe)",
     scale_rule="ceil(log2(amax / 6))", tie_rule="rne", nibble_order="pairs",
-    oracle="exact integer derivation (fractions) + torchao 0.18 to_mx RCEIL off its log2 edge values",
+    oracle="TRANSCRIPTION (no run of triton_kernels/cuBLAS yet): our exact integer derivation (fractions) of the "
+           "ROUND_UP rule; torchao 0.18 to_mx RCEIL agrees off its log2 edge values",
     fallback=_OCP_FALLBACK, notes="row bytes = packed pair codes [K/2] then E8M0 scales [K/32]; "
                                   "never clips the block max", **_COMMON)))
 

@@ -427,7 +427,8 @@ NVFP4_ACT_SPEC = FormatSpec(
     engine="vLLM / FlashInfer cvt_warp_fp16_to_fp4 (scaled_fp4_quant, fast-math path), exact reciprocals",
     scale_rule="SF = S * fl(vmax * RN(1/6)), S = 1/(amax/2688); e4m3 RN satfinite; no lower clamp (tiny -> 0)",
     global_scale="input_scale = amax/2688 (decode, fp32); encode S = fl(1/input_scale)",
-    oracle="transcription of vLLM's kernel formula (float64 -> float32 steps) + ml_dtypes e2m1/e4m3",
+    oracle="TRANSCRIPTION (no run of vLLM's kernel yet; GPU run: benchmarks/gpu): vLLM's kernel formula in float64 "
+           "-> float32 steps + ml_dtypes e2m1/e4m3",
     role="activation",
     notes="GPU rcp.approx may differ within a few ulp of an E2M1 threshold: see near_threshold_mask",
     **_COMMON)

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..distill.losses import LossConfig
+from ..distill.rl import RLConfig  # issue 20 (RL): the schema of method.rl
 from ..quantize import QuantConfig
 from .data import DataConfig
 
-METHODS = ("ptq", "qat", "qad", "qad_lora")
+METHODS = ("ptq", "qat", "qad", "qad_lora", "grpo", "dapo")   # grpo/dapo: train/rl_loop.py (issue 20)
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("bf16", "fp32")
@@ -70,6 +71,7 @@ class MethodConfig:
     calibrate: bool = True
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
+    rl: RLConfig = field(default_factory=RLConfig)   # grpo/dapo only (issue 20; train/rl_loop.py)
 
 
 @dataclass
@@ -168,6 +170,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                          f"(use method=qad)")
     if m.name == "qad_lora" and cfg.quant.lora.rank < 1:
         raise ValueError("method.name='qad_lora' needs quant.lora.rank >= 1 (the LoRA rank)")
+    if m.name in ("grpo", "dapo"):       # issue 20 (RL): its own checks, train/rl_loop.py
+        m.rl.validate()
     if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
         raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                          f"(model.path=/path/to/hf_dir)")

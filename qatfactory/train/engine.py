@@ -307,6 +307,11 @@ def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, worl
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     """Train (or only calibrate and evaluate, for ptq) as cfg says; returns the summary dict.
     ``eval_only``: restore cfg.resume and evaluate it, no training."""
+    # --- issue 20 (RL): method=grpo|dapo run their own loop (train/rl_loop.py) until the Method seam
+    if cfg.method.name in ("grpo", "dapo"):
+        from .rl_loop import run as run_rl
+        return run_rl(cfg, eval_only)
+    # --- end issue 20
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
     with step_cache.enabled():
         return _run(cfg, eval_only)

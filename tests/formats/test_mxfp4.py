@@ -290,6 +290,13 @@ def test_rceil_vs_torchao_edges(data):
         ob = p.codes.numpy().reshape(*amax.shape, 16)[same]
         tb = d.reshape(*amax.shape, 16)[same]
         _assert_bytes(ob, tb, x.shape[-1], f"mxfp4_rceil {key}: codes vs torchao where the bytes agree")
+        # and where the scales differ, torchao's codes are its own scale's rounding of the same x: the
+        # difference is the scale rule alone (every block compared, not only the agreeing ones)
+        edge = diff & log2_edge
+        if edge.any():
+            tc = _pack_pairs(_rceil_reference_codes(x, s.astype(np.uint8))).reshape(*amax.shape, 16)
+            _assert_bytes(d.reshape(*amax.shape, 16)[edge], tc[edge], 16,
+                          f"mxfp4_rceil {key}: torchao's codes at its own scale on the log2-edge blocks")
         counts[key] = (int((diff & log2_edge).sum()), int((diff & tiny).sum()), int(diff.size))
     # the edge set really is exercised
     assert counts["edges"][0] > 0 and counts["edges"][1] > 0, counts
