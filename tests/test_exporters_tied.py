@@ -25,7 +25,7 @@ VOCAB = 128
 
 
 @functools.lru_cache(maxsize=None)
-def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True):
+def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True, wide: bool = False):
     """Tiny random Llama/Qwen3 (hidden 128, 2 layers) with tied embeddings, prepared/calibrated/
     converted with the real quantize API (cached: read-only)."""
     import transformers as T
@@ -44,7 +44,8 @@ def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True):
         for p in model.parameters():
             if p.ndim >= 2:
                 p.normal_(0, 0.06)
-    qc = QuantConfig.preset(preset) if preset else QuantConfig(weight_format=fmt, act_format=act)
+    qc = QuantConfig.preset(preset, **({"quantize_embeddings": False} if wide else {})) if preset \
+        else QuantConfig(weight_format=fmt, act_format=act)
     prepare(model, qc)
     if act:
         calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
@@ -56,7 +57,8 @@ CASES = [
     ("vllm", "modelopt", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
     ("sglang", "compressed-tensors", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
     ("llama_cpp", "gguf", "llama", dict(fmt="nvfp4", act="nvfp4_act")),
-    ("llama_cpp", "gguf", "llama", dict(fmt="q4_k_m", preset="q4_k")),       # asks to quantize lm_head
+    ("llama_cpp", "gguf", "llama", dict(fmt="q4_k_m", preset="q4_k")),       # token_embd Q8_0, head = token_embd
+    ("llama_cpp", "gguf", "llama", dict(fmt="q4_k_m", preset="q4_k", wide=True)),   # the user keeps it wide
     ("sglang", "modelopt", "qwen3", dict(fmt="nvfp4")),
     ("vllm", "compressed-tensors", "qwen3", dict(fmt="mxfp4")),
     ("llama_cpp", "gguf", "qwen3", dict(fmt="mxfp4")),
@@ -64,14 +66,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[2]}-{c[0]}-{c[1]}-{c[3]['fmt']}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[2]}-{c[0]}-{c[1]}-{c[3]['fmt']}" + ("-wide" if c[3].get("wide") else "")
+                                             for c in CASES])
 def test_tied_export_passes_gate(tmp_path, case):
     engine, flavour, kind, kw = case
     cm = tied_student(kind, **kw)
     # convert hands over the embedding once and no lm_head, even where the recipe quantizes lm_head
     assert cm.config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in cm.dense and "lm_head.weight" not in cm.packed
-    assert cm.dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # the q4_k preset stores the tied table as llama-quantize does (Q8_0: 128 % 256 != 0), unless asked not to
+    quant_emb = kw.get("preset") == "q4_k" and not kw.get("wide")
+    if quant_emb:
+        assert cm.packed["model.embed_tokens.weight"].format == "q8_0"
+    else:
+        assert cm.dense["model.embed_tokens.weight"].dtype == torch.bfloat16
     out = tmp_path / "e"
     res = export(cm, out, engine=engine, flavour=flavour)
     v = verify(out, cm, llama_cpp=False)
@@ -85,7 +93,8 @@ def test_tied_export_passes_gate(tmp_path, case):
         t = {x.name: x for x in gguf.GGUFReader(str(out / "model.gguf")).tensors}
         assert "output.weight" not in t  # llama.cpp reuses token_embd
         emb = t["token_embd.weight"]
-        assert emb.tensor_type == gguf.GGMLQuantizationType.BF16 and list(emb.shape) == [128, VOCAB]
+        want = gguf.GGMLQuantizationType.Q8_0 if quant_emb else gguf.GGMLQuantizationType.BF16
+        assert emb.tensor_type == want and list(emb.shape) == [128, VOCAB]
         if "preset" not in kw and kind == "qwen3":
             # no separate lm_head: transformers' own GGUF loader ties (exact logits when nothing has .scale)
             assert v.logits["transformers GGUF loader"]["exact"]
