@@ -479,6 +479,9 @@ def _verify_gguf(res, d: Path, student, rec, prompt, do_logits, llama_cpp, rtol)
                 f"gpt2 pre={_field(reader, 'tokenizer.ggml.pre')} tokens={_field(reader, 'tokenizer.ggml.tokens')}")
     else:
         res.add("metadata", "tokenizer", "ok", f"model={tm}")
+    # issue 13: llama.cpp's own tokenizer on this file against the source's HF tokenizer (gguf_tokenizer.py)
+    from .gguf_tokenizer import gate_check as _tokenizer_gate
+    _tokenizer_gate(res, path, student.source_dir or d, llama_cpp)
 
     tensors = {t.name: t for t in reader.tensors}
     cdeq = _libggml_dequant()
