@@ -188,7 +188,8 @@ class QuantConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "QuantConfig":
-        """The recipe names: nvfp4_w4a16, nvfp4_w4a4, mxfp4_w4a16, mxfp4_w4a4, q4_k (Q4_K_M policy)."""
+        """The recipe names: nvfp4_w4a16, nvfp4_w4a4, mxfp4_w4a16, mxfp4_w4a4, q4_k (Q4_K_M policy),
+        mxfp4_gguf / nvfp4_gguf (llama.cpp's MXFP4 / NVFP4 block types, embeddings Q8_0)."""
         if name not in PRESETS:
             raise ValueError(f"QuantConfig.preset: unknown recipe {name!r}; allowed: {sorted(PRESETS)}")
         d = dict(PRESETS[name])
@@ -207,6 +208,12 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # llama.cpp Q4_K_M: q4_k base, q6_k for output and the use_more_bits attn_v/ffn_down,
     # q5_0 where rows are not a multiple of 256; token_embd by llama-quantize's rule (formats/policy.py)
     "q4_k": dict(weight_format="q4_k_m", act_format=None, quantize_lm_head=True, quantize_embeddings=True),
+    # llama.cpp's own FP4 block types in a GGUF, as llama-quantize writes a dense model with every
+    # linear overridden (--tensor-type ...=mxfp4 / nvfp4) over Q8_0: token_embd and output stay Q8_0
+    "mxfp4_gguf": dict(weight_format="mxfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
+                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
+    "nvfp4_gguf": dict(weight_format="nvfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
+                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
 }
 
 

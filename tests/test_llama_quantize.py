@@ -43,13 +43,13 @@ def _hf_dir(d, tie: bool):
     return d
 
 
-def _ours(hf, out):
+def _ours(hf, out, qc=None):
     from transformers import AutoModelForCausalLM
 
     from qatfactory.exporters import export
     from qatfactory.quantize import QuantConfig, convert, prepare
     m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.bfloat16)
-    prepare(m, QuantConfig.preset("q4_k"))
+    prepare(m, qc or QuantConfig.preset("q4_k"))
     cm = convert(m)
     cm.source_dir = str(hf)
     export(cm, out, engine="llama_cpp")
@@ -60,36 +60,67 @@ def _data_start(r) -> int:
     return min(int(t.data_offset) for t in r.tensors)
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_q4_k_m_export_equals_llama_quantize(tmp_path, tie):
-    try:
-        LT.runtime()
-    except LT.ToolUnavailable as e:
-        pytest.fail(str(e))      # make test builds it: a check that cannot run is not a pass
-    hf = _hf_dir(tmp_path / "hf", tie)
-    bf16 = LT.convert_hf(hf, tmp_path / "bf16.gguf", "bf16")
-    theirs = tmp_path / "q4_k_m.gguf"
-    LT.quantize(bf16, theirs, "Q4_K_M")
-    ours = _ours(hf, tmp_path / "ours")
-
+def _same_tensors(theirs, ours):
+    """Same names, shapes, types and bytes; equal data sections. Returns {name: type}."""
     a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     assert sorted(ta) == sorted(tb)
     types = {n: (ta[n].tensor_type.name, tb[n].tensor_type.name) for n in ta}
-    assert {n: x for n, (x, y) in types.items()} == {n: y for n, (x, y) in types.items()}, \
-        {n: v for n, v in types.items() if v[0] != v[1]}
-    # the choices themselves, as llama-quant.cpp makes them for these widths
-    want_embd = "Q8_0" if tie else "Q5_0"          # tied: the output rule, 576 % 256 -> Q8_0; untied: Q4_K -> Q5_0
-    assert types["token_embd.weight"][0] == want_embd
-    assert ("output.weight" in ta) == (not tie) and (tie or types["output.weight"][0] == "Q8_0")
-    assert types["blk.1.attn_v.weight"][0] == "Q8_0" and types["blk.1.ffn_down.weight"][0] == "Q6_K"
-    assert types["blk.0.ffn_down.weight"][0] == "Q4_K" and types["blk.0.attn_q.weight"][0] == "Q5_0"
+    assert not {n: v for n, v in types.items() if v[0] != v[1]}
     for n in ta:
         assert list(ta[n].shape) == list(tb[n].shape), n
         x, y = np.asarray(ta[n].data), np.asarray(tb[n].data)
         assert x.tobytes() == y.tobytes(), f"{n} ({types[n][0]}): bytes differ"
     # same tensor data; the files differ by their metadata only
     size_a, size_b = theirs.stat().st_size, ours.stat().st_size
-    data_a, data_b = size_a - _data_start(a), size_b - _data_start(b)
-    assert data_a == data_b
+    assert size_a - _data_start(a) == size_b - _data_start(b)
     assert abs(size_a - size_b) == abs(_data_start(a) - _data_start(b)) < 64 * 1024
+    return {n: v[0] for n, v in types.items()}
+
+
+def _runtime():
+    try:
+        LT.runtime()
+    except LT.ToolUnavailable as e:
+        pytest.fail(str(e))      # make test builds it: a check that cannot run is not a pass
+
+
+@pytest.fixture(scope="module")
+def tied_bf16(tmp_path_factory):
+    _runtime()
+    d = tmp_path_factory.mktemp("smollm2_shapes")
+    hf = _hf_dir(d / "hf", True)
+    return hf, LT.convert_hf(hf, d / "bf16.gguf", "bf16")
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_q4_k_m_export_equals_llama_quantize(tmp_path, tie, tied_bf16):
+    if tie:
+        hf, bf16 = tied_bf16
+    else:
+        hf = _hf_dir(tmp_path / "hf", tie)
+        bf16 = LT.convert_hf(hf, tmp_path / "bf16.gguf", "bf16")
+    theirs = tmp_path / "q4_k_m.gguf"
+    LT.quantize(bf16, theirs, "Q4_K_M")
+    types = _same_tensors(theirs, _ours(hf, tmp_path / "ours"))
+    # the choices themselves, as llama-quant.cpp makes them for these widths
+    want_embd = "Q8_0" if tie else "Q5_0"          # tied: the output rule, 576 % 256 -> Q8_0; untied: Q4_K -> Q5_0
+    assert types["token_embd.weight"] == want_embd
+    assert ("output.weight" in types) == (not tie) and (tie or types["output.weight"] == "Q8_0")
+    assert types["blk.1.attn_v.weight"] == "Q8_0" and types["blk.1.ffn_down.weight"] == "Q6_K"
+    assert types["blk.0.ffn_down.weight"] == "Q4_K" and types["blk.0.attn_q.weight"] == "Q5_0"
+
+
+@pytest.mark.parametrize("fmt,ggml", [("mxfp4_ggml", "mxfp4"), ("nvfp4_ggml", "nvfp4")])
+def test_fp4_gguf_export_equals_llama_quantize_overrides(tmp_path, fmt, ggml, tied_bf16):
+    """llama-quantize takes NVFP4 (and MXFP4 for a dense model) only as per-tensor overrides over a
+    base type: every linear ``--tensor-type ...=nvfp4`` over Q8_0 (token_embd Q8_0). The recipe that
+    matches it: every linear in the ggml format, the embedding (and the tied head) q8_0."""
+    from qatfactory.quantize import QuantConfig
+    hf, bf16 = tied_bf16
+    theirs = tmp_path / f"{ggml}.gguf"
+    LT.quantize(bf16, theirs, "Q8_0", tensor_types=[f"attn_(q|k|v|output)={ggml}", f"ffn_(gate|up|down)={ggml}"])
+    qc = QuantConfig.preset(f"{ggml}_gguf")
+    assert qc.weight_format == fmt
+    types = _same_tensors(theirs, _ours(hf, tmp_path / "ours", qc))
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == ggml.upper()
