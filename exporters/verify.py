@@ -620,7 +620,16 @@ def _max_ulp_f32(a: torch.Tensor, b: torch.Tensor) -> int:
 _LLAMA_RUNNER = """
 import json, sys
 import numpy as np
+import llama_cpp.llama_cpp as C
 from llama_cpp import Llama
+# no "extra" (repack/AMX) weight buffers: a -march=native build's AMX kernels trap (SIGILL) on machines
+# whose kernel does not grant the AMX tile state; the plain CPU kernels quantize activations alike
+_defaults = C.llama_model_default_params
+def _params():
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _params
 path, prompt, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 llm = Llama(model_path=path, logits_all=True, n_ctx=max(64, len(prompt) + 8), verbose=False)
 llm.eval(prompt)
