@@ -15,7 +15,9 @@ Tensor data per packed weight ``[out, in]`` (ggml ``ne = {in, out}``; experts ``
                                   blocks to exactly the student's values
 
 Norms, routers (ffn_gate_inp) and every 1-D tensor are F32; other dense tensors keep their dtype
-(BF16/F16/F32). Architecture ``llama`` (Llama, Mistral, Mixtral with _exps) permutes the rows
+(BF16/F16/F32). A quantized embedding (QuantConfig.quantize_embeddings, set by the q4_k preset) is a
+packed ``token_embd`` like any other: llama.cpp looks its rows up dequantized, and a tied model ships
+no ``output.weight`` (llama.cpp then multiplies by that same token_embd). tokenizer.ggml.*: gguf_vocab.py. Architecture ``llama`` (Llama, Mistral, Mixtral with _exps) permutes the rows
 of q/k for llama.cpp's interleaved RoPE; rows hold whole quant blocks, so packed rows are
 permuted byte-wise. qwen2/qwen3/qwen3moe use NeoX RoPE and are not permuted.
 
