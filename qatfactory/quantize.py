@@ -816,9 +816,11 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
             full = f"{n}.{pn}" if n else pn
             quant_site = _is_quant_site(m, pn)
             was_seen = id(p) in seen
-            if was_seen and not quant_site or (isinstance(m, QuantLinear) and m.tied_to is not None):
+            tied_head = isinstance(m, QuantLinear) and m.tied_to is not None
+            if (was_seen and not quant_site) or tied_head:
+                other = seen.get(id(p)) or f"{m.tied_to.qname}.weight"
                 rows.append(CoverageRow(full, list(p.shape), p.numel(), str(p.dtype).replace("torch.", ""), 0,
-                                        "tied", f"same tensor as {seen[id(p)]}; counted there"))
+                                        "tied", f"same tensor as {other}; counted there"))
                 continue
             seen.setdefault(id(p), full)
             shape, numel = list(p.shape), p.numel()
