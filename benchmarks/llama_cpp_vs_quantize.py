@@ -65,7 +65,8 @@ def results_section(res, out: Path, argv) -> str:
              f"teacher, constant LR (demo settings). PTQ: {s['calib_samples']} calibration samples (Q4_K: "
              f"the importance matrix from them); llama-imatrix: the training text. Scored by "
              f"`llama-perplexity --kl-divergence` over the held-out articles ({lc['scorer']['ctx']}-token chunks, "
-             f"second halves scored, {lc['rows'][0]['chunks']} chunks); the last column is qatfactory's own "
+             f"second halves scored: {lc['rows'][0]['chunks']} chunks, "
+             f"{lc['rows'][0]['chunks'] * (lc['scorer']['ctx'] - 1 - lc['scorer']['ctx'] // 2)} tokens); the last column is qatfactory's own "
              f"evaluation of the same student in torch ({res['teacher']['tokens']:.0f} held-out tokens, no "
              f"activation quantization).")
     L.append("")

@@ -97,7 +97,7 @@ def score(sc: Scorer, gguf_path, label: str, **extra) -> Dict[str, Any]:
     t0 = time.time()
     r = LT.kl(gguf_path, sc.base, threads=sc.threads)
     row = {"label": label, "path": str(gguf_path), "kl": r.kl, "ppl": r.ppl, "top1": r.top1,
-           "chunks": r.chunks, "seconds": time.time() - t0, **gguf_summary(gguf_path), **extra}
+           "chunks": r.chunks, "tokens": r.tokens, "seconds": time.time() - t0, **gguf_summary(gguf_path), **extra}
     return row
 
 
@@ -185,7 +185,8 @@ def report_lines(res: Optional[Dict[str, Any]], out: Path) -> List[str]:
     L.append(f"Measured by llama.cpp itself (commit 0c1e570, CPU, `--no-repack`): the teacher converted to F32 by "
              f"llama.cpp's `convert_hf_to_gguf.py`, its logits over the held-out articles saved once, every GGUF "
              f"scored with `llama-perplexity --kl-divergence` ({sc['ctx']}-token chunks, the second half of each "
-             f"scored: {res['rows'][0]['chunks'] if res['rows'] else 0} chunks). llama.cpp's CPU matmuls quantize "
+             f"scored: {res['rows'][0]['chunks'] if res['rows'] else 0} chunks, "
+             f"{res['rows'][0].get('tokens', 0) if res['rows'] else 0} tokens). llama.cpp's CPU matmuls quantize "
              f"activations to Q8 (Q8_K / Q8_0 by weight type), which the qatfactory evaluation (last column, "
              f"same articles, its own {res.get('torch_tokens', 0):.0f}-token windows) does not, so the two KL "
              f"columns are close, not equal.\n")

@@ -110,7 +110,7 @@ class KLResult:
     ppl: float
     kl: float                # mean KLD(base || model) per token, nats
     top1: Optional[float]    # "Same top p": fraction of tokens whose argmax agrees with the base
-    tokens: int
+    tokens: int              # tokens scored: (n_ctx - 1 - n_ctx/2) per chunk
     chunks: int
     log: str
 
@@ -164,5 +164,6 @@ def parse_kl(log: str) -> KLResult:
             chunks, ctx = int(a), int(b)
         elif c:
             chunks = int(c)
-    return KLResult(ppl=ppl, kl=klv, top1=None if top is None else top / 100.0, tokens=chunks * ctx // 2,
-                    chunks=chunks, log=log)
+    # llama-perplexity scores tokens n_ctx/2 .. n_ctx-2 of each chunk (predicting the next one)
+    return KLResult(ppl=ppl, kl=klv, top1=None if top is None else top / 100.0,
+                    tokens=chunks * (ctx - 1 - ctx // 2), chunks=chunks, log=log)
