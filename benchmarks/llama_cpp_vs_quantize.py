@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/llama_cpp_vs_quantize.py                 # SmolLM2-135M, CPU, ~30 min on 2 cores
     .venv/bin/python benchmarks/llama_cpp_vs_quantize.py --families q4_k --steps 24 --out runs/lcq
     .venv/bin/python benchmarks/llama_cpp_vs_quantize.py --model /path/to/hf_dir --no-results
+    .venv/bin/python benchmarks/llama_cpp_vs_quantize.py --rescore runs/lcq   # llama.cpp scoring again, no training
 
 What runs (the demo's pipeline, ``qatfactory demo --targets ... --vs-llama-quantize``):
 
@@ -48,6 +49,8 @@ def parse_args(argv):
     p.add_argument("--calib-samples", type=int, default=None, dest="calib_samples")
     p.add_argument("--out", default=None, help="run directory (default: runs/llama-vs-quantize-<time>)")
     p.add_argument("--no-results", action="store_true", help="do not write benchmarks/RESULTS.md")
+    p.add_argument("--rescore", default=None, metavar="RUN_DIR",
+                   help="score the exports of a finished run directory again with llama.cpp (no training)")
     return p.parse_args(argv)
 
 
@@ -103,9 +106,28 @@ def write_results(section: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def rescore(run_dir: Path):
+    """llama.cpp's numbers for a finished run's exports, from its results.json; rewrites report.md."""
+    import json
+    res = json.loads((run_dir / "results.json").read_text())
+    fields = {f for f in demo.Settings.__dataclass_fields__}
+    s = demo.Settings(**{k: v for k, v in res["settings"].items() if k in fields})
+    from qatfactory import assets
+    res["llama_cpp"] = demo.llama_cpp_numbers(res, Path(res["model_dir"]), res["data"], run_dir, assets.cache_dir(), s,
+                                              "auto", vs_llama_quantize=True)
+    demo._write_json(run_dir / "results.json", res)
+    plots = [run_dir / "plots" / n for n in ("ptq_vs_qad.png", "qad_loss.png") if (run_dir / "plots" / n).is_file()]
+    (run_dir / "report.md").write_text(demo.report_markdown(res, run_dir, plots))
+    return res
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    if a.rescore:
+        out = Path(a.rescore)
+        res = rescore(out)
+        return _finish(res, out, a, argv)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
     bad = [f for f in fams if f not in FAMILIES]
     if bad or not fams:
@@ -122,6 +144,10 @@ def main(argv=None) -> int:
     s = demo.settings_from(args)
     res = demo.run_demo(s, Path(a.model) if a.model else None, out, device="cpu", llama_cpp="auto",
                         vs_llama_quantize=True)
+    return _finish(res, out, a, argv)
+
+
+def _finish(res, out: Path, a, argv) -> int:
     lc = res.get("llama_cpp") or {}
     if lc.get("status") != "ok":
         print(f"llama.cpp numbers not measured: {lc.get('reason')}", file=sys.stderr)

@@ -37,7 +37,7 @@ class Scorer:
     text: str
     ctx: int
     chunks: Optional[int]
-    teacher_ppl: float
+    teacher_ppl: Optional[float]     # llama-perplexity's teacher perplexity (also every row's ppl_base)
     threads: int
     seconds: float
 
@@ -96,7 +96,9 @@ def gguf_summary(path) -> Dict[str, Any]:
 def score(sc: Scorer, gguf_path, label: str, **extra) -> Dict[str, Any]:
     t0 = time.time()
     r = LT.kl(gguf_path, sc.base, threads=sc.threads)
-    row = {"label": label, "path": str(gguf_path), "kl": r.kl, "ppl": r.ppl, "top1": r.top1,
+    if sc.teacher_ppl is None and r.ppl_base is not None:
+        sc.teacher_ppl = r.ppl_base
+    row = {"label": label, "path": str(gguf_path), "kl": r.kl, "ppl": r.ppl, "ppl_base": r.ppl_base, "top1": r.top1,
            "chunks": r.chunks, "tokens": r.tokens, "seconds": time.time() - t0, **gguf_summary(gguf_path), **extra}
     return row
 
@@ -135,11 +137,12 @@ def _types(row) -> str:
     return ", ".join(f"{k} {v}" for k, v in row["types"].items())
 
 
-def table_lines(rows: List[Dict[str, Any]], teacher_ppl: float) -> List[str]:
+def table_lines(rows: List[Dict[str, Any]], teacher_ppl: Optional[float]) -> List[str]:
     L = ["| family | model | file (MiB) | tensor data (MiB) | token_embd / output | tensor types | "
          "KL to teacher (llama.cpp) | ppl (llama.cpp) | top-1 agreement | KL (qatfactory eval) |",
          "|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
-    L.append(f"| - | teacher F32 (llama.cpp converter) | | | | | 0 | {teacher_ppl:.3f} | 1 | |")
+    tp = "-" if teacher_ppl is None else f"{teacher_ppl:.3f}"
+    L.append(f"| - | teacher F32 (llama.cpp converter) | | | | | 0 | {tp} | 1 | |")
     for r in rows:
         eo = r.get("token_embd.weight", "-") + " / " + r.get("output.weight", "(tied)")
         ours = f"{r['torch_kl']:.4f}" if r.get("torch_kl") is not None else ""

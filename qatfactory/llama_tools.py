@@ -6,6 +6,11 @@ The tools are the ones ``scripts/llama_cpp_runtime.py`` builds once from the lla
 libggml must not meet libggml-python's) and parses what it prints. Used by the demo's report, by
 ``benchmarks/llama_cpp_vs_quantize.py`` and by the tests that compare our exports with llama.cpp's.
 
+llama.cpp's tools log through a background thread that is not flushed at exit (common/log.cpp
+says so: "logs may be lost if not flushed before the program exits"); on a busy machine the last
+lines -- llama-perplexity's summary -- can be missing from a successful run. ``kl`` then runs again
+(up to three times) rather than report a number it did not see.
+
 Every compute tool runs with ``--no-repack``: the AMX "extra buffer" kernels that a -march=native
 build selects on AMX-capable CPUs trap (SIGILL, ``tilezero``) on machines whose kernel does not grant
 the AMX tile state, as on the sandboxes this project is developed on; the plain CPU kernels quantize
@@ -108,6 +113,7 @@ def imatrix(model_gguf, text_file, out, ctx: int = 256, chunks: Optional[int] = 
 @dataclass
 class KLResult:
     ppl: float
+    ppl_base: Optional[float]   # the base (teacher) model's perplexity on the same tokens
     kl: float                # mean KLD(base || model) per token, nats
     top1: Optional[float]    # "Same top p": fraction of tokens whose argmax agrees with the base
     tokens: int              # tokens scored: (n_ctx - 1 - n_ctx/2) per chunk
@@ -116,22 +122,32 @@ class KLResult:
 
 
 def kl_base(teacher_gguf, text_file, base_out, ctx: int = 256, chunks: Optional[int] = None,
-            threads: Optional[int] = None, timeout: float = 3600) -> float:
-    """Save the teacher's logits over the text (llama-perplexity --kl-divergence-base); returns its ppl."""
+            threads: Optional[int] = None, timeout: float = 3600) -> Optional[float]:
+    """Save the teacher's logits over the text (llama-perplexity --kl-divergence-base); returns its ppl
+    (None if the log lost its last line; every ``kl`` run reports it again as PPL(base))."""
     cmd = [tool("llama-perplexity"), "-m", teacher_gguf, "-f", text_file, "--kl-divergence-base", base_out,
            "-c", str(ctx), "-b", str(ctx), "-t", str(threads or max(1, os.cpu_count() or 1)), *NO_REPACK]
     if chunks:
         cmd += ["--chunks", str(chunks)]
     r = _run(cmd, "llama-perplexity --kl-divergence-base", timeout)
-    return _final_ppl(r.stdout + r.stderr)
+    if not Path(base_out).is_file():
+        raise RuntimeError(f"llama-perplexity --kl-divergence-base wrote no {base_out}")
+    try:
+        return _final_ppl(r.stdout + r.stderr)
+    except RuntimeError:
+        return None
 
 
 def kl(model_gguf, base_file, threads: Optional[int] = None, timeout: float = 3600) -> KLResult:
     """llama-perplexity --kl-divergence against saved base logits: ppl, mean KL, top-1 agreement."""
     cmd = [tool("llama-perplexity"), "-m", model_gguf, "--kl-divergence-base", base_file, "--kl-divergence",
            "-t", str(threads or max(1, os.cpu_count() or 1)), *NO_REPACK]
-    r = _run(cmd, "llama-perplexity --kl-divergence", timeout)
-    return parse_kl(r.stdout + r.stderr)
+    for attempt in range(3):
+        r = _run(cmd, "llama-perplexity --kl-divergence", timeout)
+        log = r.stdout + r.stderr
+        if "Mean    KLD" in log or attempt == 2:
+            return parse_kl(log)
+    raise AssertionError("unreachable")
 
 
 _NUM = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -152,10 +168,12 @@ def parse_kl(log: str) -> KLResult:
         m = re.findall(pat, log)
         return float(m[-1]) if m else None
     ppl = one(r"Mean PPL\(Q\)\s*:\s*" + _NUM)
+    ppl_base = one(r"Mean PPL\(base\)\s*:\s*" + _NUM)
     klv = one(r"Mean\s+KLD:\s*" + _NUM)
     top = one(r"Same top p:\s*" + _NUM)
     if ppl is None or klv is None:
-        raise RuntimeError("llama-perplexity --kl-divergence printed no 'Mean PPL(Q)' / 'Mean KLD':\n"
+        raise RuntimeError("llama-perplexity --kl-divergence printed no 'Mean PPL(Q)' / 'Mean KLD' (it prints no "
+                           "statistics for fewer than 100 scored tokens: give more held-out text):\n"
                            + "\n".join(log.splitlines()[-15:]))
     m = re.findall(r"(\d+) chunks, n_ctx=(\d+)|calculating KL divergence over (\d+) chunks", log)
     chunks, ctx = 0, 0
@@ -165,5 +183,5 @@ def parse_kl(log: str) -> KLResult:
         elif c:
             chunks = int(c)
     # llama-perplexity scores tokens n_ctx/2 .. n_ctx-2 of each chunk (predicting the next one)
-    return KLResult(ppl=ppl, kl=klv, top1=None if top is None else top / 100.0,
+    return KLResult(ppl=ppl, ppl_base=ppl_base, kl=klv, top1=None if top is None else top / 100.0,
                     tokens=chunks * (ctx - 1 - ctx // 2), chunks=chunks, log=log)
