@@ -13,6 +13,7 @@ import torch
 from test_exporters_helpers import source_dir, student
 
 from qatfactory.exporters import ExportError, export, verify
+from qatfactory.exporters.gguf_tokenizer import tokenizer_parity
 from qatfactory.exporters.llama_cpp import packed_to_gguf, permute_rows, unpermute_rows
 
 gguf = pytest.importorskip("gguf")
@@ -41,6 +42,9 @@ def test_gguf_export_passes_gate(tmp_path, case):
     res = export(cm, out, engine="llama_cpp")
     v = verify(out, cm, llama_cpp=False)
     assert v.ok, v.table()
+    # llama.cpp's own tokenizer on this file gives the HF tokenizer's ids, BOS/EOS included (gguf_tokenizer.py)
+    tp = tokenizer_parity(out / "model.gguf", cm.source_dir)
+    assert tp.status == "ok", (tp.detail, tp.mismatches[:3])
     for name in cm.packed:
         assert {"bytes", "weights", "weights (libggml C)"} <= {c.check for c in v.checks if c.tensor == name}
     lg = [c for c in v.checks if c.tensor == "logits"]
