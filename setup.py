@@ -36,6 +36,7 @@ setup(
             "deepspeed==0.19.8",
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
+            "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies
         ],
         "cuda": ["cupy-cuda13x"],
     },

@@ -17,7 +17,9 @@ Tensor data per packed weight ``[out, in]`` (ggml ``ne = {in, out}``; experts ``
                                   blocks to exactly the student's values
 
 Norms, routers (ffn_gate_inp) and every 1-D tensor are F32; other dense tensors keep their dtype
-(BF16/F16/F32). Architecture ``llama`` (Llama, Mistral, Mixtral with _exps) permutes the rows
+(BF16/F16/F32). A quantized embedding (QuantConfig.quantize_embeddings, set by the q4_k preset) is a
+packed ``token_embd`` like any other: llama.cpp looks its rows up dequantized, and a tied model ships
+no ``output.weight`` (llama.cpp then multiplies by that same token_embd). tokenizer.ggml.*: gguf_vocab.py. Architecture ``llama`` (Llama, Mistral, Mixtral with _exps) permutes the rows
 of q/k for llama.cpp's interleaved RoPE; rows hold whole quant blocks, so packed rows are
 permuted byte-wise. qwen2/qwen3/qwen3moe use NeoX RoPE and are not permuted.
 
@@ -27,7 +29,6 @@ gguf_writer.py (facts collected in shared/reference/exporters.md section 6).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
 
+from .gguf_vocab import write_tokenizer_kv
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, is_ggml_variant,
                    module_of, register_exporter, safetensors_layout, spec_of, ties_embeddings, tied_duplicates)
 
@@ -48,7 +50,8 @@ SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml and the low-bit gri
              "repacked to GGML NVFP4 + .scale); mxfp4/mxfp4_rceil/mxfp4_even (repacked to GGML MXFP4 when the "
              "decoded values are identical)")
 
-# HF model_type -> (GGUF architecture, permute q/k rows, BPE pre-tokenizer name llama.cpp knows)
+# HF model_type -> (GGUF architecture, permute q/k rows, the family's usual llama.cpp pre-tokenizer:
+# written only when the tokenizer's own pre_tokenizer is not recognised, see gguf_vocab.py)
 ARCHS = {
     "llama": ("llama", True, "llama-bpe"),
     "mistral": ("llama", True, "llama-bpe"),
@@ -209,99 +212,6 @@ _FILE_TYPE = {12: "MOSTLY_Q4_K_M", 6: "MOSTLY_Q5_0", 14: "MOSTLY_Q6_K", 8: "MOST
               2: "MOSTLY_Q4_0", 11: "MOSTLY_Q3_K_M", 10: "MOSTLY_Q2_K", 35: "MOSTLY_TQ2_0", 34: "MOSTLY_TQ1_0"}
 
 
-# ------------------------------------------------------------------------------ tokenizer
-def _tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], pre_name: str, vocab_size: int,
-                  tokenizer_pre: Optional[str]) -> Dict[str, Any]:
-    """Write tokenizer.ggml.* from the HF tokenizer in source_dir; returns what was written."""
-    src = Path(source_dir) if source_dir else None
-    tj = src / "tokenizer.json" if src else None
-    if tj is None or not tj.is_file():
-        if src is not None and (src / "tokenizer.model").is_file():
-            raise ExportError(f"{src}: only a SentencePiece tokenizer.model is present; write a tokenizer.json "
-                              f"(AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) so the vocabulary can be "
-                              f"transcribed without sentencepiece")
-        # no tokenizer: llama.cpp accepts a vocabulary-less model and uses <arch>.vocab_size
-        writer.add_tokenizer_model("none")
-        return {"model": "none", "reason": "no tokenizer.json in source_dir"}
-    with open(tj) as f:
-        tok = json.load(f)
-    model = tok.get("model", {})
-    if model.get("type") != "BPE":
-        raise NotImplementedError(f"{tj}: tokenizer model type {model.get('type')!r}; the GGUF exporter writes "
-                                  f"BPE vocabularies (byte-level 'gpt2' or byte-fallback 'llama')")
-    vocab: Dict[str, int] = dict(model["vocab"])
-    added = {a["content"]: a for a in tok.get("added_tokens", [])}
-    for content, a in added.items():
-        vocab[content] = a["id"]
-    if max(vocab.values()) + 1 > vocab_size:
-        # llama.cpp sizes token_embd/output by the token list and refuses the file on a mismatch
-        raise ExportError(f"{tj}: the tokenizer has ids up to {max(vocab.values())} but the model's vocab_size is "
-                          f"{vocab_size}; llama.cpp would reject token_embd's shape. Export with the tokenizer that "
-                          f"belongs to this model (or resize the embeddings to cover it)")
-    n = vocab_size
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [5] * n  # unused
-    for t, i in vocab.items():
-        tokens[i] = t
-        a = added.get(t)
-        types[i] = 1 if a is None else (3 if a.get("special") else 4)
-    merges = [" ".join(m) if isinstance(m, (list, tuple)) else m for m in model.get("merges", [])]
-    byte_level = "ByteLevel" in json.dumps(tok.get("pre_tokenizer")) or "ByteLevel" in json.dumps(tok.get("decoder"))
-    if byte_level:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(tokenizer_pre or pre_name)
-        writer.add_token_merges(merges)
-        kind = "gpt2"
-    else:
-        if not model.get("byte_fallback"):
-            raise NotImplementedError(f"{tj}: a BPE tokenizer without byte-level pre-tokenization or byte fallback "
-                                      f"has no llama.cpp tokenizer model")
-        writer.add_tokenizer_model("llama")
-        # SentencePiece-BPE merges by score: earlier ids were merged first in the HF export
-        writer.add_token_scores([-float(i) for i in range(n)])
-        for i, t in enumerate(tokens):
-            if re.fullmatch(r"<0x[0-9A-F]{2}>", t):
-                types[i] = 6
-        unk = model.get("unk_token")
-        if unk in vocab:
-            types[vocab[unk]] = 2
-        kind = "llama"
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    tcfg = {}
-    if (src / "tokenizer_config.json").is_file():
-        with open(src / "tokenizer_config.json") as f:
-            tcfg = json.load(f)
-
-    def tok_id(key, cfg_key):  # noqa: E306
-        t = tcfg.get(key)
-        if isinstance(t, dict):
-            t = t.get("content")
-        if isinstance(t, str) and t in vocab:
-            return vocab[t]
-        v = cfg.get(cfg_key)
-        return v if isinstance(v, int) else None
-
-    ids = {}
-    for key, cfg_key, fn in (("bos_token", "bos_token_id", writer.add_bos_token_id),
-                             ("eos_token", "eos_token_id", writer.add_eos_token_id),
-                             ("pad_token", "pad_token_id", writer.add_pad_token_id),
-                             ("unk_token", None, writer.add_unk_token_id)):
-        i = tok_id(key, cfg_key) if cfg_key else tok_id(key, "__none__")
-        if i is not None:
-            fn(int(i))
-            ids[key] = int(i)
-    if "add_bos_token" in tcfg:
-        writer.add_add_bos_token(bool(tcfg["add_bos_token"]))
-    tmpl = tcfg.get("chat_template")
-    if tmpl is None and (src / "chat_template.jinja").is_file():
-        tmpl = (src / "chat_template.jinja").read_text()
-    if isinstance(tmpl, str):
-        writer.add_chat_template(tmpl)
-    return {"model": kind, "pre": (tokenizer_pre or pre_name) if kind == "gpt2" else None, "tokens": n,
-            "merges": len(merges), **ids}
-
-
 # ------------------------------------------------------------------------------ exporter
 def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
     rp = dict(cfg.get("rope_parameters") or {})
@@ -379,7 +289,7 @@ class LlamaCppExporter(Exporter):
             w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
             if cfg.get("moe_intermediate_size"):
                 w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
-        tok_info = _tokenizer_kv(w, converted.source_dir, cfg, pre_name, vocab_size, tokenizer_pre)
+        tok_info = write_tokenizer_kv(w, converted.source_dir, cfg, pre_name, vocab_size, tokenizer_pre)
 
         # ---- a plan of every tensor: shapes and types now, bytes produced one tensor at a time
         # while writing, so peak memory is one tensor (not a second copy of the model)

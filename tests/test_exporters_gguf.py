@@ -14,6 +14,7 @@ import torch
 from test_exporters_helpers import cell_student, cells, source_dir, student
 
 from qatfactory.exporters import ExportError, export, verify
+from qatfactory.exporters.gguf_tokenizer import tokenizer_parity
 from qatfactory.exporters.llama_cpp import packed_to_gguf, permute_rows, unpermute_rows
 
 import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
@@ -32,6 +33,11 @@ def test_gguf_export_passes_gate(tmp_path, cell):
     res = export(cm, out, engine="llama_cpp")
     v = verify(out, cm)  # llama.cpp's runtime included: a missing runtime is INCOMPLETE, so this fails
     assert v.verdict == "PASS", v.table()
+    # llama.cpp's own tokenizer on this file gives the HF tokenizer's ids, BOS/EOS included (gguf_tokenizer.py)
+    tok = [c for c in v.checks if c.tensor == "tokenizer" and c.check.startswith("llama.cpp tokenization")]
+    assert len(tok) == 1 and tok[0].status == "ok", tok
+    tp = tokenizer_parity(out / "model.gguf", cm.source_dir)
+    assert tp.status == "ok", (tp.detail, tp.mismatches[:3])
     for name in cm.packed:
         assert {"bytes", "weights", "weights (libggml C)"} <= {c.check for c in v.checks
                                                                 if c.tensor == name and c.status == "ok"}
@@ -51,7 +57,10 @@ def test_gguf_export_passes_gate(tmp_path, cell):
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[kind]
     assert _str(r, "general.architecture") == arch
     assert _str(r, "tokenizer.ggml.model") == "gpt2"
-    assert _str(r, "tokenizer.ggml.pre") == ("llama-bpe" if kind == "llama" else "qwen2")
+    # the test tokenizer is plain GPT-2 byte-level BPE: llama.cpp's "gpt-2" split, whatever the architecture
+    # (the family names -- llama-bpe, qwen2, smollm -- are checked against llama.cpp in test_gguf_tokenizer.py)
+    assert _str(r, "tokenizer.ggml.pre") == "gpt-2"
+    assert r.fields["tokenizer.ggml.add_bos_token"].contents() is False
     assert "tokenizer.ggml.merges" in r.fields and "tokenizer.chat_template" in r.fields
     # norms, routers and every 1-D tensor F32; embeddings stay bf16
     for name, tt in t.items():

@@ -145,10 +145,11 @@ def mixtral_student(fmt: str, act=None, rules=(), preset=None, exclude=()) -> Co
     return _CACHE[key]
 
 
-def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True) -> ConvertedModel:
+def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True, wide: bool = False) -> ConvertedModel:
     """Tiny random Llama/Qwen3 (hidden 128, 2 layers) with tied (or, tie=False, untied) embeddings,
-    prepared/calibrated/converted with the real quantize API (cached: read-only)."""
-    key = ("tied", kind, fmt, act, preset, tie)
+    prepared/calibrated/converted with the real quantize API (cached: read-only). ``wide``: the preset
+    keeps the embedding (and a tied head) in the model dtype (quantize_embeddings=False)."""
+    key = ("tied", kind, fmt, act, preset, tie, wide)
     if key in _CACHE:
         return _CACHE[key]
     import transformers as T
@@ -167,7 +168,8 @@ def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True) -
         for p in model.parameters():
             if p.ndim >= 2:
                 p.normal_(0, 0.06)
-    qc = QuantConfig.preset(preset) if preset else QuantConfig(weight_format=fmt, act_format=act)
+    qc = QuantConfig.preset(preset, **({"quantize_embeddings": False} if wide else {})) if preset \
+        else QuantConfig(weight_format=fmt, act_format=act)
     prepare(model, qc)
     if act:
         calibrate(model, [torch.randint(0, TIED_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])

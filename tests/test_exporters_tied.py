@@ -32,10 +32,27 @@ def test_tied_export_passes_gate(tmp_path, cell):
     engine, flavour, kind = cell.engine, cell.flavour, cell.kind[: -len("_tied")]
     kw = {"fmt": cell.fmt, **({"preset": cell.preset} if cell.preset else {})}
     cm = cell_student(cell)
+    _check_tied_export(tmp_path, engine, flavour, kind, kw, cm)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_q4_k_m_embedding_kept_wide_when_asked(tmp_path, kind):
+    """quantize_embeddings=False: the user keeps token_embd (and the tied head) in the model dtype."""
+    kw = {"fmt": "q4_k_m", "preset": "q4_k", "wide": True}
+    cm = tied_student(kind, **kw)
+    _check_tied_export(tmp_path, "llama_cpp", "gguf", kind, kw, cm)
+
+
+def _check_tied_export(tmp_path, engine, flavour, kind, kw, cm):
     # convert hands over the embedding once and no lm_head, even where the recipe quantizes lm_head
     assert cm.config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in cm.dense and "lm_head.weight" not in cm.packed
-    assert cm.dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # the q4_k preset stores the tied table as llama-quantize does (Q8_0: 128 % 256 != 0), unless asked not to
+    quant_emb = kw.get("preset") == "q4_k" and not kw.get("wide")
+    if quant_emb:
+        assert cm.packed["model.embed_tokens.weight"].format == "q8_0"
+    else:
+        assert cm.dense["model.embed_tokens.weight"].dtype == torch.bfloat16
     out = tmp_path / "e"
     res = export(cm, out, engine=engine, flavour=flavour)
     v = verify(out, cm)
@@ -51,7 +68,8 @@ def test_tied_export_passes_gate(tmp_path, cell):
         t = {x.name: x for x in gguf.GGUFReader(str(out / "model.gguf")).tensors}
         assert "output.weight" not in t  # llama.cpp reuses token_embd
         emb = t["token_embd.weight"]
-        assert emb.tensor_type == gguf.GGMLQuantizationType.BF16 and list(emb.shape) == [128, VOCAB]
+        want = gguf.GGMLQuantizationType.Q8_0 if quant_emb else gguf.GGMLQuantizationType.BF16
+        assert emb.tensor_type == want and list(emb.shape) == [128, VOCAB]
         if "preset" not in kw and kind == "qwen3":
             # no separate lm_head: transformers' own GGUF loader ties (exact logits when nothing has .scale)
             assert v.logits["transformers GGUF loader"]["exact"]

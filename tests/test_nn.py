@@ -37,12 +37,20 @@ def test_use_more_bits_matches_llama_cpp_integer_rule():
     ("lm_head.weight", (151936, 1024), 0, "q6_k"),
     ("lm_head.weight", (151936, 896), 0, "q8_0"),
     ("model.layers.0.self_attn.qkv_proj.weight", (3072, 1024), 0, "q5_k"),
-    ("model.embed_tokens.weight", (151936, 1024), 0, None),
+    ("model.embed_tokens.weight", (151936, 1024), 0, "q4_k"),     # untied: the base type
+    ("model.embed_tokens.weight", (49152, 576), 0, "q5_0"),       # untied, 576 % 256: q4_k's fallback
     ("model.layers.0.mlp.gate.weight", (64, 1024), 64, None),
     ("model.layers.0.input_layernorm.weight", (1024,), 0, None),
 ])
 def test_ggml_policy_q4_k_m(name, shape, n_exp, want):
     assert ggml_policy(name, shape, n_layers=8, n_experts=n_exp) == want
+
+
+@pytest.mark.parametrize("shape,want", [((49152, 576), "q8_0"), ((151936, 1024), "q6_k"), ((100, 48), "f16")])
+def test_ggml_policy_tied_token_embd_takes_the_output_type(shape, want):
+    # llama-quantize: no output.weight in the file -> token_embd gets the output tensor's rule
+    assert ggml_policy("model.embed_tokens.weight", shape, n_layers=30, tied=True) == want
+    assert ggml_policy("lm_head.weight", shape, n_layers=30) == want
 
 
 def test_policy_roles_and_errors():

@@ -31,6 +31,7 @@ from .common import (act_decode_scale, compare_values, exact_logits_check, f32_b
                      max_ulp, model_from_state_dict, module_of, names_sample, nonfinite, run_logits, student_logits,
                      student_mode, student_weights, tied, written_dense)
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
+from ..gguf_tokenizer import gate_check as tokenizer_gate
 
 # HF model_type -> (gguf-py MODEL_ARCH member name, llama.cpp permutes Q/K rows for interleaved RoPE)
 ARCH = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "mixtral": ("LLAMA", True),
@@ -161,6 +162,8 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
         res.add("student", "representable", FAIL, "the student mixes W4A4 and W4A16 modules")
     _check_record(res, rec, student, path.name, names, mode)
     _metadata(res, reader, student, names, path)
+    # issue 13: llama.cpp's own tokenizer on this file against the source's HF tokenizer
+    tokenizer_gate(res, path, student.source_dir or d, llama_cpp)
     tensors = {t.name: t for t in reader.tensors}
     proc = None
     if names.permute:

@@ -6,6 +6,9 @@ reference/formats.md 3.6 and exporters.md 6.6) for ftype LLAMA_FTYPE_MOSTLY_Q4_K
 
     tensor (GGUF role)          type                      condition
     output.weight (lm_head)     q6_k                      row length % 256 == 0, else q8_0
+    token_embd, tied            as output.weight          (no output.weight in the file: llama.cpp
+                                                           reuses token_embd as the output matmul)
+    token_embd, untied          base (q4_k)               then the fallback below (576 wide: q5_0)
     attn_v                      q6_k                      use_more_bits(layer, n_layers)
                                 q8_0                      model has exactly 8 experts
     attn_k                      q8_0                      model has exactly 8 experts
@@ -19,8 +22,10 @@ reference/formats.md 3.6 and exporters.md 6.6) for ftype LLAMA_FTYPE_MOSTLY_Q4_K
     use_more_bits(i, n) = i < n/8  or  i >= 7n/8  or  (i - n/8) % 3 == 2   (C integer division)
 
 Not modelled: the 70B attn_v bump (needs llama.cpp's model-size class) and Falcon's rules.
-Embeddings, norms and routers are not quantized here (return None): the training side keeps
-them in the model dtype, so the exporter must too, or what ships would differ from what trained.
+Norms and routers are not quantized here (return None). The token embedding gets llama.cpp's type
+(SmolLM2's tied 576-wide token_embd: q8_0, as ``llama-quantize ... Q4_K_M`` writes it, checked
+against the tool itself in tests/test_llama_quantize.py); the training side then fake-quantizes
+the embedding lookup and, tied, the output matmul with that same tensor (QuantEmbedding).
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ def tensor_role(hf_name: str) -> Optional[str]:
     leaf = n.rsplit(".", 1)[-1]
     if leaf == "lm_head":
         return "output"
+    if leaf in ("embed_tokens", "wte", "word_embeddings", "tok_embeddings"):
+        return "token_embd"
     roles = {
         "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
         "qkv_proj": "attn_qkv", "query_key_value": "attn_qkv", "Wqkv": "attn_qkv",
@@ -58,14 +65,15 @@ def tensor_role(hf_name: str) -> Optional[str]:
 
 
 def ggml_policy(hf_name: str, shape: Sequence[int], n_layers: int, base: str = "q4_k",
-                n_experts: int = 0) -> Optional[str]:
+                n_experts: int = 0, tied: bool = False) -> Optional[str]:
     """llama.cpp type for one tensor of a Q4_K_M-style target.
 
     hf_name: e.g. ``model.layers.3.self_attn.v_proj.weight`` (experts: the per-expert name or the
     fused 3-D parameter name); shape: its shape, rows last (``[..., in_features]``);
-    n_layers: ``config.num_hidden_layers``; n_experts: experts per MoE layer (0 for dense).
+    n_layers: ``config.num_hidden_layers``; n_experts: experts per MoE layer (0 for dense);
+    tied: the model ties lm_head to the embedding (the file then has no output.weight).
     Returns a format name (``q4_k``, ``q5_0``, ``q6_k``, ``q8_0``, ``q5_k``, ``q5_1``, ``f16``),
-    or None for tensors that are not quantized (embeddings, norms, routers, biases)."""
+    or None for tensors that are not quantized (norms, routers, biases)."""
     if base not in _SUPPORTED_BASES:
         raise ValueError(f"ggml_policy: base={base!r}; allowed: {list(_SUPPORTED_BASES)}")
     if len(shape) < 2:
@@ -77,7 +85,7 @@ def ggml_policy(hf_name: str, shape: Sequence[int], n_layers: int, base: str = "
     i_layer = int(m.group(1)) if m else 0
     ncols = int(shape[-1])
     t = base
-    if role == "output":
+    if role == "output" or (role == "token_embd" and tied):
         t = "q8_0" if ncols % _BLOCK[base] != 0 else "q6_k"
     elif role == "attn_v":
         if use_more_bits(i_layer, n_layers):

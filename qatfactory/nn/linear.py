@@ -39,6 +39,8 @@ class QuantLinear(nn.Module):
             self.input_quant.owner = name
         self.lora: Optional[LoRA] = None
         self._group: List["QuantLinear"] = [self]     # plain list: peers are not submodules
+        # a tied output head: the QuantEmbedding whose weight and quantizer this shares (nn/embedding.py)
+        object.__setattr__(self, "tied_to", None)
         # recompute fq(W), fq(x) in backward instead of saving them: None = when the CUDA kernels run
         self.recompute_fq: Optional[bool] = None
         # False: the plain linear (the full-precision phase of train.quant_start; quantize.set_quantization)
