@@ -384,7 +384,7 @@ def _read_gguf(d: Path, name: str) -> NativeCheckpoint:
         elif kind in ("F32", "F16", "BF16"):
             arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
             dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
-            v = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dt)
+            v = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dt)
             dense[hf] = _unpermute(v, heads) if heads else v
         else:
             raise NotNativeError(f"{file}: {t.name} is {kind}; scale adapters need NVFP4 or MXFP4 linears (one scale "

@@ -68,7 +68,7 @@ class ScaleAdapterLinear(nn.Module):
                              f"{scales.dtype} {tuple(scales.shape)}")
         self.qname, self.param, self.ste = name, param, ste
         self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scales0", scales.contiguous())
+        self.register_buffer("scales0", scales.clone().contiguous())    # set_scales writes into it
         self.has_global = global_scale is not None
         gb = torch.as_tensor(0.0 if global_scale is None else global_scale, dtype=torch.float32).reshape(())
         self.register_buffer("global_bits", gb.clone().view(torch.int32))
