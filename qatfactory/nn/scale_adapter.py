@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -42,6 +43,34 @@ from ..formats import PackedTensor, get_format
 PARAMS = ("dense", "lowrank")
 STES = ("continuous", "rounded")
 _LN2 = math.log(2.0)
+
+
+@dataclass
+class ScaleAdapterConfig:
+    """Hydra schema ``method.scale`` (method=scale_adapter, train/scale_loop.py). ``target``: the format
+    whose scale encoder rounds the trained scales, "auto" = the base's own (another must decode the
+    base's bytes identically, else a format-mismatch error); ``param``: dense theta per block or low-rank
+    U @ V (``rank``); ``ste``: gradient through the continuous or the rounded scale; ``targets``: fnmatch
+    patterns of the 4-bit linears that train (the others stay at the base's bytes); ``task``: a label
+    written into the scale file."""
+
+    target: str = "auto"
+    param: str = "dense"
+    rank: int = 8
+    ste: str = "continuous"
+    targets: List[str] = field(default_factory=lambda: ["*"])
+    task: str = ""
+
+    def validate(self) -> "ScaleAdapterConfig":
+        if self.param not in PARAMS:
+            raise ValueError(f"method.scale.param={self.param!r}; allowed: {list(PARAMS)}")
+        if self.ste not in STES:
+            raise ValueError(f"method.scale.ste={self.ste!r}; allowed: {list(STES)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"method.scale.rank={self.rank!r}; allowed: an int >= 1")
+        if not list(self.targets):
+            raise ValueError("method.scale.targets=[]; allowed: fnmatch patterns of module names (['*'] = all)")
+        return self
 
 
 class ScaleAdapterLinear(nn.Module):
