@@ -520,7 +520,9 @@ def merged_converted(model: nn.Module, ck: NativeCheckpoint) -> ConvertedModel:
 def converted_with_scales(ck: NativeCheckpoint, scales: Dict[str, torch.Tensor], fmts=None) -> ConvertedModel:
     """ConvertedModel of the base with these scale bytes (a scale file's, or the trained ones): codes,
     per-tensor scales, dense tensors and config as the base holds them."""
-    fmts = fmts if isinstance(fmts, dict) else {n: (fmts or resolve_target(ck)) for n in ck.packed}
+    if not isinstance(fmts, dict):
+        one = resolve_target(ck, fmts or "auto")       # a named format must decode the base's bytes identically
+        fmts = {n: one for n in ck.packed}
     packed = {}
     for name, p in ck.packed.items():
         b = torch.as_tensor(scales[name])

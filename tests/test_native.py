@@ -201,3 +201,30 @@ def test_bad_input_is_refused_with_one_line(bases, tmp_path):
     q4k = tmp_path / "q4k"
     export(student("llama", "q4_k"), q4k, engine="llama_cpp")
     refused(q4k, "Q4_K")
+
+
+def test_cli_scales_export_apply_and_rollback(bases, tmp_path, capsys):
+    from qatfactory.cli import main
+    ck = N.read_native(bases["ct_mxfp4"])
+    model = N.build_model(ck)
+    torch.manual_seed(1)
+    for m in N.adapter_modules(model).values():
+        m.theta.data.normal_(0, 1.0)
+    f = tmp_path / "t.scales.safetensors"
+    N.save_scale_file(model, ck, f)
+    assert main(["scales", "export", "--base", str(bases["ct_mxfp4"]), "--scales", str(f), "--engine", "llama_cpp",
+                 "--out", str(tmp_path / "gguf"), "--quiet"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    assert main(["scales", "apply", "--base", str(bases["ct_mxfp4"]), "--scales", str(f), "--out",
+                 str(tmp_path / "task"), "--quiet"]) == 0
+    assert main(["scales", "extract", str(bases["ct_mxfp4"]), "--out", str(tmp_path / "base.scales.safetensors")]) == 0
+    assert main(["scales", "apply", "--base", str(tmp_path / "task"), "--scales", str(tmp_path / "base.scales.safetensors"),
+                 "--out", str(tmp_path / "rolled"), "--quiet"]) == 0
+    # the rollback is the base file byte for byte (safetensors writes the same header and tensors)
+    assert (tmp_path / "rolled" / "model.safetensors").read_bytes() == (bases["ct_mxfp4"] / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    # a scale file onto another code plane: one line, BAD_INPUT, nothing written
+    assert main(["scales", "apply", "--base", str(bases["ct_nvfp4"]), "--scales", str(f), "--out",
+                 str(tmp_path / "no")]) == BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "code plane" in err[0] and not (tmp_path / "no").exists()
