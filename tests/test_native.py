@@ -197,7 +197,6 @@ def test_bad_input_is_refused_with_one_line(bases, tmp_path):
     (evil / N.INDEX).write_text(json.dumps({"weight_map": {"lm_head.weight": "../outside.safetensors"}}))
     refused(evil, "not a plain file name")
     # a GGUF with another quant type
-    from qatfactory.formats import list_formats  # noqa: F401
     q4k = tmp_path / "q4k"
     export(student("llama", "q4_k"), q4k, engine="llama_cpp")
     refused(q4k, "Q4_K")
