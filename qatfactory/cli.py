@@ -5,6 +5,7 @@
     qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
     qatfactory bench [args]                         (benchmarks/step.py)
     qatfactory demo                                 (qatfactory.demo)
+    qatfactory scales export|apply|extract|verify   (qatfactory.cli_scales; method=scale_adapter)
 
 Training overrides are Hydra's (``group=option``, ``a.b=value``); recipes/ lists the options.
 """
@@ -233,6 +234,8 @@ COMMANDS = {
     "verify": lambda a: _delegate("qatfactory.cli_export", "verify", ["verify"] + a),
     "bench": bench_main,
     "demo": lambda a: _delegate("qatfactory.demo", "demo", a),
+    # issue 18 (scale adapters): merge / swap / roll back scale files (qatfactory.cli_scales)
+    "scales": lambda a: _delegate("qatfactory.cli_scales", "scales", a),
 }
 
 

@@ -415,6 +415,31 @@ class MXFP4Format(Format):
         c = codes.reshape(*codes.shape[:-1], k // BLOCK, BLOCK)
         return self._decode(c, p.scales).reshape(*codes.shape[:-1], k)
 
+    # -- frozen codes, moving scales (Format.code_values / block_multiplier / shift_scales) -------
+    def code_values(self, p: PackedTensor) -> torch.Tensor:
+        codes = unpack_pairs(p.codes)
+        elem = self._dev_tables(codes.device)[4]
+        return elem[codes.long()].reshape(p.shape)
+
+    def block_multiplier(self, p: PackedTensor) -> torch.Tensor:
+        decode = self._dev_tables(p.scales.device)[1]
+        return decode[p.scales.long()]
+
+    def shift_scales(self, scales: torch.Tensor, log2_offset: torch.Tensor):
+        """E8M0 is a grid of powers of two, so value * 2^theta lands on byte + round(theta) (nearest
+        in the log domain, ties to even), clamped to bytes 0..254 (255 is NaN, or for ggml 2^127
+        where its largest codes overflow). The engines' amax -> byte rules (FLOOR, RCEIL, EVEN) do not
+        apply to a learned scale: they map a block maximum, not a scale, and a floor or ceiling on
+        theta itself would move every block one step on the first update of an unbiased optimizer."""
+        s = torch.as_tensor(scales)
+        if s.dtype != torch.uint8:
+            raise ValueError(f"{self.name}: scales must be uint8 E8M0 bytes, got {s.dtype}")
+        valid = s <= 254
+        step = torch.nan_to_num(log2_offset.float(), nan=0.0, posinf=512.0, neginf=-512.0).clamp(-512, 512)
+        want = s.to(torch.int32) + torch.round(step).to(torch.int32)
+        clamped = valid & ((want < 0) | (want > 254))
+        return torch.where(valid, want.clamp(0, 254).to(torch.uint8), s), clamped
+
     def _in_range(self, v: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         _, _, max_code, e2m1, _, _ = self._dev_tables(v.device)
         return v.abs() <= e2m1[max_code[b.to(v.device).long()].long()].unsqueeze(-1)

@@ -296,6 +296,28 @@ class NVFP4(Format):
         v = self._scaled(x, p.scales, p.global_scale.float())
         return (v.abs() <= C.E2M1_MAX).reshape(x.shape)
 
+    # -- frozen codes, moving scales (Format.code_values / block_multiplier / shift_scales) -------
+    def code_values(self, p: PackedTensor) -> torch.Tensor:
+        return C.e2m1_decode(C.unpack_pairs(p.codes)).reshape(p.shape)
+
+    def block_multiplier(self, p: PackedTensor) -> torch.Tensor:
+        if p.global_scale is None:
+            raise ValueError(f"{self.name}: PackedTensor has no global_scale (the checkpoint's weight_scale_2)")
+        return C.e4m3_decode(p.scales) * _bcast(p.global_scale.float(), p.scales.ndim)
+
+    def shift_scales(self, scales: torch.Tensor, log2_offset: torch.Tensor):
+        """Step 4 of the export rule on value * 2^theta: clamp to [2^-9, 448], RNE to E4M3 (satfinite,
+        the NVIDIA cvt), so a trained scale is a byte this format itself could have produced."""
+        s = _scales_to_u8(scales)
+        valid = (s >= 0x01) & (s <= 0x7E)
+        base = C.e4m3_decode(s)
+        want = base * torch.exp2(log2_offset.float())
+        want = torch.where(torch.isnan(want), base, want)      # a NaN offset never makes a NaN byte
+        enc = C.e4m3_encode(want.clamp(_SCALE_MIN, 448.0))
+        clamped = valid & ((want < _SCALE_MIN) | (want > 448.0))
+        # a factor of exactly 1 keeps the byte (ggml's encoder never emits 0x78..0x7D itself)
+        return torch.where(valid & (want != base), enc, s), clamped
+
     def to_bytes(self, p: PackedTensor) -> np.ndarray:
         return np.concatenate([p.codes.cpu().numpy(), p.scales.cpu().numpy()], axis=-1).astype(np.uint8)
 

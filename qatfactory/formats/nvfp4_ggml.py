@@ -170,6 +170,28 @@ class NVFP4GGML(Format):
         vals = C.e2m1_decode(C.unpack_pairs(p.codes)).reshape(*p.scales.shape, SUB)
         return (vals * ue4m3_decode(p.scales).unsqueeze(-1)).reshape(p.shape)
 
+    # -- frozen codes, moving scales (Format.code_values / block_multiplier / shift_scales) -------
+    def code_values(self, p: PackedTensor) -> torch.Tensor:
+        return C.e2m1_decode(C.unpack_pairs(p.codes)).reshape(p.shape)
+
+    def block_multiplier(self, p: PackedTensor) -> torch.Tensor:
+        return ue4m3_decode(p.scales)
+
+    def shift_scales(self, scales: torch.Tensor, log2_offset: torch.Tensor):
+        """ggml's own UE4M3 encoder (half-up mantissa, subnormals by (int)(x*512+0.5), >= 248 -> 448) on
+        value * 2^theta clamped to [2^-9, 448]: never the zero byte ggml decodes as 0."""
+        s = torch.as_tensor(scales)
+        if s.dtype != torch.uint8:
+            raise ValueError(f"{self.name}: scales must be uint8 UE4M3 bytes, got {s.dtype}")
+        valid = (s >= 0x01) & (s <= 0x7E)
+        base = ue4m3_decode(s)
+        want = base * torch.exp2(log2_offset.float())
+        want = torch.where(torch.isnan(want), base, want)      # a NaN offset never makes a NaN byte
+        enc = ue4m3_encode(want.clamp(C.E4M3_MIN_SUBNORMAL, C.E4M3_MAX))
+        clamped = valid & ((want < C.E4M3_MIN_SUBNORMAL) | (want > C.E4M3_MAX))
+        # a factor of exactly 1 keeps the byte (ggml's encoder never emits 0x78..0x7D itself)
+        return torch.where(valid & (want != base), enc, s), clamped
+
     def clip_mask(self, x: torch.Tensor, p: PackedTensor) -> torch.Tensor:
         lim = ue4m3_decode(p.scales) * C.E2M1_MAX
         xb = x.float().reshape(*x.shape[:-1], -1, SUB)

@@ -178,6 +178,28 @@ class Format:
         clipped STE). None means the format never clips (identity STE)."""
         return None
 
+    # -- frozen codes, moving block scales (scale-only adapters, nn/scale_adapter.py) ---------
+    # dequantize(p) == (code_values(p) [..., nb, block] * block_multiplier(p)[..., None]), bit for bit;
+    # shift_scales moves each block's scale by a factor 2^theta on the format's own scale grid.
+    def code_values(self, p: PackedTensor) -> torch.Tensor:
+        """float32 [..., K]: the values of the element codes before any scale (the decode table)."""
+        raise NotImplementedError(f"{self.name}: no frozen-code decomposition (scale-only adapters need a format "
+                                  f"with one scale byte per block: the NVFP4 / MXFP4 families)")
+
+    def block_multiplier(self, p: PackedTensor) -> torch.Tensor:
+        """float32 [..., K/block]: what dequantize multiplies each block's code values by."""
+        raise NotImplementedError(f"{self.name}: no frozen-code decomposition (scale-only adapters need a format "
+                                  f"with one scale byte per block: the NVFP4 / MXFP4 families)")
+
+    def shift_scales(self, scales: torch.Tensor, log2_offset: torch.Tensor):
+        """(bytes, clamped): each block scale byte moved to the byte the format's own scale encoder
+        gives for value(byte) * 2^log2_offset, clamped to the grid's positive finite range (never a
+        zero or NaN byte); ``clamped`` is True where the requested value lay outside that range.
+        A byte the format cannot scale (zero, NaN, reserved) is returned unchanged. log2_offset == 0
+        returns the bytes unchanged."""
+        raise NotImplementedError(f"{self.name}: block scales cannot be shifted (scale-only adapters need a format "
+                                  f"with one scale byte per block: the NVFP4 / MXFP4 families)")
+
     def fake_quantize(self, x: torch.Tensor, ste: str = "identity", **kw) -> torch.Tensor:
         """dequantize(quantize(x)) in x.dtype, with a straight-through gradient.
 

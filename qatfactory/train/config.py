@@ -18,10 +18,12 @@ from typing import Any, Dict, List, Optional
 
 from ..distill.losses import LossConfig
 from ..distill.rl import RLConfig  # issue 20 (RL): the schema of method.rl
+from ..nn.scale_adapter import ScaleAdapterConfig  # issue 18 (scale adapters): the schema of method.scale
 from ..quantize import QuantConfig
 from .data import DataConfig
 
-METHODS = ("ptq", "qat", "qad", "qad_lora", "grpo", "dapo")   # grpo/dapo: train/rl_loop.py (issue 20)
+METHODS = ("ptq", "qat", "qad", "qad_lora", "grpo", "dapo",   # grpo/dapo: train/rl_loop.py (issue 20)
+           "scale_adapter")                                    # issue 18: train/scale_loop.py
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("bf16", "fp32")
@@ -72,6 +74,7 @@ class MethodConfig:
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
     rl: RLConfig = field(default_factory=RLConfig)   # grpo/dapo only (issue 20; train/rl_loop.py)
+    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter only (issue 18)
 
 
 @dataclass
@@ -172,6 +175,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError("method.name='qad_lora' needs quant.lora.rank >= 1 (the LoRA rank)")
     if m.name in ("grpo", "dapo"):       # issue 20 (RL): its own checks, train/rl_loop.py
         m.rl.validate()
+    if m.name == "scale_adapter":        # issue 18 (scale adapters): its own checks, train/scale_loop.py
+        m.scale.validate()
     if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
         raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                          f"(model.path=/path/to/hf_dir)")

@@ -312,6 +312,11 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         from .rl_loop import run as run_rl
         return run_rl(cfg, eval_only)
     # --- end issue 20
+    # --- issue 18 (scale adapters): method=scale_adapter runs its own loop (train/scale_loop.py) until the seam
+    if cfg.method.name == "scale_adapter":
+        from .scale_loop import run as run_scale
+        return run_scale(cfg, eval_only)
+    # --- end issue 18
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
     with step_cache.enabled():
         return _run(cfg, eval_only)

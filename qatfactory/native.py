@@ -1,0 +1,707 @@
+"""Native 4-bit checkpoints as frozen codes + scale bytes, for the scale-only adapters (issue 18).
+
+    ck = read_native("exports/nvfp4-ct")                 # ModelOpt / compressed-tensors / GGUF
+    model = build_model(ck)                               # HF model, 4-bit linears -> ScaleAdapterLinear
+    ...train theta...
+    cm = merged_converted(model, ck)                      # ConvertedModel: the codes as read, new scale bytes
+    save_scale_file(model, ck, "task.scales.safetensors") # the per-task file (a few % of the checkpoint)
+    write_patched(ck.path, "task.scales.safetensors", "exports/task")   # the base, scale bytes replaced
+
+Containers read (each with its own library: safetensors' ``safe_open``, gguf-py's ``GGUFReader``):
+
+    ModelOpt NVFP4        <m>.weight u8 [out, in/2], .weight_scale f8e4m3 [out, in/16], .weight_scale_2 f32 (S)
+    compressed-tensors    <m>.weight_packed u8, .weight_scale f8e4m3 (NVFP4) | u8 E8M0 (MXFP4),
+                          .weight_global_scale f32 [1] = G = 1/S (NVFP4; the engine multiplies by fl(1/G))
+    GGUF (llama.cpp)      NVFP4 (type 40) blocks [+ F32 <t>.scale = S], MXFP4 (type 39) blocks; Q/K rows of
+                          the llama architecture un-permuted; names through gguf-py's own HF <-> GGUF table
+
+Weight-only (W4A16) bases; an activation-quantized one, a checkpoint that is not NVFP4/MXFP4, fused
+shards with different per-tensor scales, MoE experts, a path that leaves the directory, NaN scales:
+each refused with one line (exitcodes: BadInputError, UnsafeFileError, CorruptFileError). Nothing
+read from a file is ever used as a path except plain shard names checked to lie inside the directory.
+
+The code plane: SHA-256 over the packed tensors in name order of ``name \\0 rows x cols \\0 codes``
+(E2M1 pairs, element 2i in the low nibble, HF row order), the same for every container; the
+gate's own reader (exporters/verify/code_plane.py) computes it independently.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _fsutil
+from .exitcodes import BadInputError, CorruptFileError, UnsafeFileError
+from .formats import ConvertedModel, PackedTensor, get_format
+from .nn.scale_adapter import ScaleAdapterLinear, modules as adapter_modules
+
+INDEX = "model.safetensors.index.json"
+SCALE_FILE_KIND = "qatfactory_scales"
+_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                 "chat_template.json")
+# GGUF architectures: (gguf-py MODEL_ARCH member, llama.cpp permutes Q/K rows)
+_GGUF_ARCH = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False)}
+
+
+class NotNativeError(BadInputError):
+    """The checkpoint is not a weight-only NVFP4 / MXFP4 layout the scale adapters can train."""
+
+
+class FormatMismatchError(BadInputError):
+    """The target format cannot hold the base's bytes exactly."""
+
+
+class CodePlaneError(BadInputError):
+    """A scale file made for another code plane (the base's codes changed, or it is another base)."""
+
+
+@dataclass
+class NativeCheckpoint:
+    path: Path                       # the directory (GGUF: the directory holding the file)
+    container: str                   # "modelopt" | "compressed-tensors" | "gguf"
+    layout: str                      # "nvfp4" | "mxfp4"
+    base_format: str                 # the registered format the stored bytes decode as
+    config: Dict[str, Any]           # HF config (no quantization_config)
+    packed: Dict[str, PackedTensor]  # HF weight name -> codes / scale bytes / S (HF row order)
+    dense: Dict[str, torch.Tensor]   # every other tensor, by HF name, in its stored dtype
+    files: List[str] = field(default_factory=list)
+    gguf_file: Optional[str] = None
+    record: Dict[str, Any] = field(default_factory=dict)   # qatfactory.json when present (read, not trusted)
+
+    @property
+    def source_dir(self) -> Optional[str]:
+        return str(self.path) if any((self.path / n).is_file() for n in _SOURCE_FILES) else None
+
+    def code_plane_sha256(self) -> str:
+        return code_plane_sha256({n: p.codes for n, p in self.packed.items()})
+
+    def nbytes(self) -> Dict[str, int]:
+        codes = sum(p.codes.numel() for p in self.packed.values())
+        scales = sum(p.scales.numel() for p in self.packed.values())
+        dense = sum(t.numel() * t.element_size() for t in self.dense.values())
+        return {"codes": codes, "scales": scales, "dense": dense, "total": codes + scales + dense}
+
+
+def code_plane_sha256(codes: Dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(codes):
+        c = codes[name].detach().cpu().contiguous()
+        h.update(name.encode() + b"\0" + f"{c.shape[0]}x{c.shape[1]}".encode() + b"\0")
+        h.update(c.numpy().tobytes())
+    return h.hexdigest()
+
+
+# ============================================================================ files
+def _inside(d: Path, name: Any, what: str) -> Path:
+    """d / name for a plain file name naming a regular file inside d (never a path that leaves it)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UnsafeFileError(f"{d}: {what} {name!r} is not a plain file name inside the directory; refused, not read")
+    p = d / name
+    real, root = os.path.realpath(p), os.path.realpath(d)
+    if os.path.dirname(real) != root:
+        raise UnsafeFileError(f"{d}: {what} {name!r} resolves to {real}, outside the directory; refused, not read")
+    if not os.path.isfile(real):
+        raise CorruptFileError(f"{d}: {what} {name!r} is missing")
+    return p
+
+
+def _json(d: Path, name: str) -> Dict[str, Any]:
+    p = _inside(d, name, "file")
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"{p}: not readable JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CorruptFileError(f"{p}: holds a {type(obj).__name__}, not a JSON object")
+    return obj
+
+
+def _record(d: Path) -> Dict[str, Any]:
+    if (d / "qatfactory.json").is_file() and not (d / "qatfactory.json").is_symlink():
+        try:
+            return _json(d, "qatfactory.json")
+        except BadInputError:
+            return {}
+    return {}
+
+
+def _shards(d: Path) -> List[str]:
+    if (d / INDEX).exists() or (d / INDEX).is_symlink():
+        wm = _json(d, INDEX).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CorruptFileError(f"{d / INDEX}: no weight_map")
+        names = sorted(set(wm.values()))
+        for n in names:
+            _inside(d, n, f"{INDEX} shard")
+        return names
+    _inside(d, "model.safetensors", "weights file")
+    return ["model.safetensors"]
+
+
+# ============================================================================ reading
+def read_native(path) -> NativeCheckpoint:
+    """Read a native NVFP4 / MXFP4 checkpoint: a safetensors export directory (ModelOpt or
+    compressed-tensors) or a GGUF file (or a directory holding exactly one)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model.path={str(path)!r} does not exist (a native NVFP4/MXFP4 export directory or "
+                                f"GGUF file)")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise NotNativeError(f"{p}: a file that is not a .gguf; give a native NVFP4/MXFP4 export directory "
+                                 f"(ModelOpt / compressed-tensors safetensors) or a GGUF file")
+        return _read_gguf(p.parent, p.name)
+    ggufs = sorted(x.name for x in p.glob("*.gguf"))
+    if ggufs:
+        if len(ggufs) != 1:
+            raise BadInputError(f"{p}: holds {len(ggufs)} GGUF files {ggufs}; give the file itself")
+        _inside(p, ggufs[0], "GGUF file")
+        return _read_gguf(p, ggufs[0])
+    if not (p / "config.json").exists():
+        raise NotNativeError(f"{p}: no config.json and no .gguf file: not a native NVFP4/MXFP4 checkpoint")
+    return _read_safetensors(p)
+
+
+def _qconfig(d: Path, cfg: Dict[str, Any]) -> Tuple[str, str, bool]:
+    """(container, layout, activations quantized) from config.json / hf_quant_config.json."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict) and (d / "hf_quant_config.json").exists():
+        hq = _json(d, "hf_quant_config.json")
+        q = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else {}
+        qc = dict(q, quant_method="modelopt" if (hq.get("producer") or {}).get("name") == "modelopt" else None)
+    if not isinstance(qc, dict):
+        raise NotNativeError(f"{d}: config.json has no quantization_config: a high-precision checkpoint, not a native "
+                             f"4-bit one. Scale adapters train the block scales of an NVFP4/MXFP4 export (quantize and "
+                             f"export it first, e.g. qatfactory train method=ptq export=vllm)")
+    qm = qc.get("quant_method")
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
+    if qm == "modelopt":
+        algo = str(qc.get("quant_algo") or "").upper()
+        if "NVFP4" not in algo:
+            raise NotNativeError(f"{d}: ModelOpt quant_algo={qc.get('quant_algo')!r}; scale adapters need NVFP4 "
+                                 f"(W4A16_NVFP4)")
+        w4a4 = algo == "NVFP4" and not (acts and all(a is None for a in acts))
+        return "modelopt", "nvfp4", w4a4
+    if qm == "compressed-tensors":
+        fmts = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+        fmts.discard(None)
+        fmts.discard("mixed-precision")
+        lay = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+        if len(fmts) != 1 or next(iter(fmts)) not in lay:
+            raise NotNativeError(f"{d}: compressed-tensors format {sorted(fmts)}; scale adapters need "
+                                 f"nvfp4-pack-quantized or mxfp4-pack-quantized (one scheme)")
+        return "compressed-tensors", lay[fmts.pop()], any(a is not None for a in acts)
+    raise NotNativeError(f"{d}: quantization_config quant_method={qm!r}; scale adapters need a ModelOpt NVFP4 or "
+                         f"compressed-tensors NVFP4/MXFP4 export, or a GGUF with NVFP4/MXFP4 tensors")
+
+
+def _check_hf_config(d, cfg: Dict[str, Any]) -> None:
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise NotNativeError(f"{d}: a mixture-of-experts model; scale adapters on expert tensors are not implemented "
+                             f"(dense linears only)")
+
+
+def _read_safetensors(d: Path) -> NativeCheckpoint:
+    from safetensors import safe_open
+    cfg = _json(d, "config.json")
+    container, layout, w4a4 = _qconfig(d, cfg)
+    if w4a4:
+        raise NotNativeError(f"{d}: an activation-quantized (W4A4) checkpoint; scale adapters train weight-only "
+                             f"(W4A16) bases: export the base without activation quantization")
+    _check_hf_config(d, cfg)
+    sd: Dict[str, torch.Tensor] = {}
+    files = _shards(d)
+    for fn in files:
+        try:
+            with safe_open(str(d / fn), framework="pt") as f:
+                for k in f.keys():
+                    if k in sd:
+                        raise CorruptFileError(f"{d / fn}: tensor {k} is stored twice")
+                    sd[k] = f.get_tensor(k)
+        except BadInputError:
+            raise
+        except Exception as e:
+            raise CorruptFileError(f"{d / fn}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    packed: Dict[str, PackedTensor] = {}
+    fmt = "nvfp4" if layout == "nvfp4" else "mxfp4"
+    code_key = ".weight" if container == "modelopt" else ".weight_packed"
+    for key in sorted(k for k in sd if k.endswith(".weight_scale")):
+        m = key[: -len(".weight_scale")]
+        codes, sc = sd.pop(m + code_key, None), sd.pop(key)
+        if codes is None:
+            raise CorruptFileError(f"{d}: {key} without {m}{code_key}")
+        for w4a4_key in (".input_scale", ".input_global_scale"):
+            if m + w4a4_key in sd:
+                raise NotNativeError(f"{d}: {m}{w4a4_key}: an activation-quantized (W4A4) module; scale adapters "
+                                     f"train weight-only (W4A16) bases")
+        bs = 16 if layout == "nvfp4" else 32
+        want_sdt = torch.float8_e4m3fn if layout == "nvfp4" else torch.uint8
+        if codes.dtype != torch.uint8 or codes.ndim != 2 or sc.dtype != want_sdt or \
+                tuple(sc.shape) != (codes.shape[0], codes.shape[1] * 2 // bs):
+            raise CorruptFileError(f"{d}: {m}: codes {codes.dtype} {tuple(codes.shape)} / scales {sc.dtype} "
+                                   f"{tuple(sc.shape)} are not {layout} (uint8 [out, in/2], "
+                                   f"{str(want_sdt)[6:]} [out, in/{bs}])")
+        g = None
+        if layout == "nvfp4":
+            if container == "modelopt":
+                s2 = sd.pop(m + ".weight_scale_2", None)
+                if s2 is None or s2.dtype != torch.float32 or s2.numel() != 1:
+                    raise CorruptFileError(f"{d}: {m}.weight_scale_2 missing or not one float32")
+                g = s2.reshape(()).clone()
+            else:
+                G = sd.pop(m + ".weight_global_scale", None)
+                if G is None or G.dtype != torch.float32 or G.numel() != 1:
+                    raise CorruptFileError(f"{d}: {m}.weight_global_scale missing or not one float32")
+                g = (torch.ones((), dtype=torch.float32) / G.reshape(()))      # vLLM multiplies by fl(1/G)
+            if not bool(torch.isfinite(g)) or float(g) <= 0:
+                raise CorruptFileError(f"{d}: {m}: per-tensor scale {float(g)} is not a positive finite number")
+        packed[m + ".weight"] = PackedTensor(fmt, (codes.shape[0], codes.shape[1] * 2), codes.contiguous(),
+                                             sc.contiguous().view(torch.uint8), g)
+    if not packed:
+        raise NotNativeError(f"{d}: no {layout} tensors (no *.weight_scale) in the checkpoint")
+    _check_fused(d, packed)
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    return NativeCheckpoint(d, container, layout, fmt, cfg, packed, sd, files, record=_record(d))
+
+
+def _check_fused(d, packed: Dict[str, PackedTensor]) -> None:
+    """vLLM/SGLang load q/k/v and gate/up into one layer with ONE per-tensor scale (the max): a base
+    whose shards differ is served differently from what its own bytes say, so it is refused."""
+    mods = {n[: -len(".weight")] for n in packed}
+    for m in sorted(mods):
+        for first, rest in ((".q_proj", (".k_proj", ".v_proj")), (".gate_proj", (".up_proj",))):
+            if not m.endswith(first):
+                continue
+            stem = m[: -len(first)]
+            grp = [m] + [stem + r for r in rest if stem + r in mods]
+            gs = {int(packed[x + ".weight"].global_scale.view(torch.int32)) for x in grp
+                  if packed[x + ".weight"].global_scale is not None}
+            if len(gs) > 1:
+                raise BadInputError(f"{d}: fused shards {grp} carry different per-tensor scales; vLLM/SGLang decode "
+                                    f"them with one (the max), so the checkpoint's own bytes are not what serves. "
+                                    f"Re-export the base with shared fused scales")
+
+
+def _unpermute(a: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's interleaved Q/K row order -> the HF rotate-half order (rows move whole)."""
+    r = a.shape[0]
+    return a.reshape(n_head, r // n_head // 2, 2, *a.shape[1:]).transpose(1, 2).reshape(a.shape)
+
+
+def _permute(a: torch.Tensor, n_head: int) -> torch.Tensor:
+    r = a.shape[0]
+    return a.reshape(n_head, 2, r // n_head // 2, *a.shape[1:]).transpose(1, 2).reshape(a.shape)
+
+
+def _gguf_config(reader, file: Path) -> Dict[str, Any]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    try:
+        cfg = dict(load_gguf_checkpoint(str(file), return_tensors=False)["config"])
+    except Exception as e:
+        raise NotNativeError(f"{file}: transformers cannot read its model config ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    arch = _field(reader, "general.architecture")
+    kl = _field(reader, f"{arch}.attention.key_length")
+    if kl is not None:
+        cfg["head_dim"] = int(kl)
+    cfg.pop("_model_name_or_path", None)
+    cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    return cfg
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _read_gguf(d: Path, name: str) -> NativeCheckpoint:
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+    file = _inside(d, name, "GGUF file")
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as e:
+        raise CorruptFileError(f"{file}: gguf-py cannot read it ({type(e).__name__}: {e})") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise NotNativeError(f"{file}: architecture {arch!r}; scale adapters read {sorted(_GGUF_ARCH)} GGUF files "
+                             f"(MoE architectures are not implemented)")
+    cfg = _gguf_config(reader, file)
+    _check_hf_config(file, cfg)
+    arch_key, permute = _GGUF_ARCH[arch]
+    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_key), int(cfg["num_hidden_layers"]))
+    mt = cfg.pop("model_type")
+    with torch.device("meta"):
+        skel = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **cfg))
+    cfg["model_type"] = mt
+    shapes = {k: tuple(v.shape) for k, v in skel.state_dict().items()}
+    tensors = {t.name: t for t in reader.tensors}
+    n_head, n_kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    packed: Dict[str, PackedTensor] = {}
+    dense: Dict[str, torch.Tensor] = {}
+    used = set()
+    for hf, shape in shapes.items():
+        stem, suf = (hf[: -len(".weight")], ".weight") if hf.endswith(".weight") else \
+            (hf[: -len(".bias")], ".bias") if hf.endswith(".bias") else (hf, "")
+        gname = tmap.get_name(stem)
+        if gname is None:
+            raise NotNativeError(f"{file}: gguf-py has no GGUF name for {hf}")
+        t = tensors.get(gname + suf)
+        if t is None:
+            if hf == "lm_head.weight" and cfg["tie_word_embeddings"]:
+                continue
+            raise CorruptFileError(f"{file}: tensor {gname + suf} (for {hf}) is missing")
+        used.add(t.name)
+        heads = (n_head if ".attn_q." in t.name else n_kv if ".attn_k." in t.name else None) if permute else None
+        kind = t.tensor_type.name
+        if kind in ("NVFP4", "MXFP4"):
+            rows, k = shape
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+            if heads:
+                raw = _unpermute(raw, heads)
+            f = get_format("nvfp4_ggml" if kind == "NVFP4" else "mxfp4_ggml")
+            p = f.from_bytes(raw.numpy(), k)
+            if kind == "NVFP4" and gname + ".scale" in tensors:
+                st = tensors[gname + ".scale"]
+                used.add(st.name)
+                sv = np.asarray(st.data, dtype=np.float32).reshape(-1)
+                if st.tensor_type.name != "F32" or sv.size != 1 or not np.isfinite(sv[0]) or sv[0] <= 0:
+                    raise CorruptFileError(f"{file}: {st.name} is not one positive finite F32")
+                p = PackedTensor("nvfp4", p.shape, p.codes, p.scales, torch.tensor(float(sv[0]), dtype=torch.float32))
+            packed[hf] = p
+        elif kind in ("F32", "F16", "BF16"):
+            arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+            dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+            v = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dt)
+            dense[hf] = _unpermute(v, heads) if heads else v
+        else:
+            raise NotNativeError(f"{file}: {t.name} is {kind}; scale adapters need NVFP4 or MXFP4 linears (one scale "
+                                 f"byte per block over frozen E2M1 codes), not a {kind} layout")
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise NotNativeError(f"{file}: tensors this loader does not map: {extra[:4]}")
+    if not packed:
+        raise NotNativeError(f"{file}: no NVFP4/MXFP4 tensors")
+    fmts = {p.format for p in packed.values()}
+    if len(fmts) != 1:
+        raise NotNativeError(f"{file}: mixes {sorted(fmts)} tensors; one layout per checkpoint")
+    base = fmts.pop()
+    layout = "mxfp4" if base.startswith("mxfp4") else "nvfp4"
+    return NativeCheckpoint(d, "gguf", layout, base, cfg, packed, dense, [name], gguf_file=name, record=_record(d))
+
+
+# ============================================================================ the model
+def resolve_target(ck: NativeCheckpoint, target: str = "auto") -> str:
+    """The format whose encoder rounds the trained scales: 'auto' = the base's (the record's when it
+    names a compatible one). Any other must decode the base's bytes to the same values."""
+    if target == "auto":
+        fs = ck.record.get("weight_formats") if isinstance(ck.record.get("weight_formats"), list) else []
+        cand = [f for f in fs if isinstance(f, str)]
+        target = ck.base_format
+        if len(cand) == 1:
+            try:
+                check_target(ck, cand[0])
+                target = cand[0]
+            except (FormatMismatchError, ValueError):
+                pass
+    check_target(ck, target)
+    return target
+
+
+def check_target(ck: NativeCheckpoint, target: str) -> None:
+    f = get_format(target)            # ValueError names the registered formats
+    b = get_format(ck.base_format)
+    s, sb = f.spec, b.spec
+    why = None
+    if s.role == "activation":
+        why = "an activation format"
+    elif s.element != sb.element or s.block_size != sb.block_size:
+        why = f"{s.block_size}-element {s.scale_codec} blocks, the base has {sb.block_size}-element {sb.scale_codec} blocks"
+    elif (s.global_scale is None) != (sb.global_scale is None):
+        why = "a per-tensor scale where the base has none" if s.global_scale else "no per-tensor scale, the base has one"
+    else:
+        try:
+            f.shift_scales(torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1))
+        except NotImplementedError:
+            why = "no scale encoder to train with"
+    if why is None:
+        for n, p in ck.packed.items():
+            q = PackedTensor(target, p.shape, p.codes, p.scales, p.global_scale)
+            a, c = b.dequantize(p), f.dequantize(q)
+            if not (torch.isfinite(a).all() and torch.equal(a, c)):
+                why = f"{n} decodes differently (or to NaN)"
+                break
+    if why is not None:
+        raise FormatMismatchError(f"format mismatch between the base ({ck.base_format}, {ck.container}) and the target "
+                                  f"{target!r}: {why}; the trained scales must be bytes the base's layout decodes "
+                                  f"exactly. Use the base's own format (method.scale.target=auto)")
+
+
+def build_model(ck: NativeCheckpoint, target: str = "auto", param: str = "dense", rank: int = 8,
+                ste: str = "continuous", targets=("*",), dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The HF model of ``ck`` with every packed linear a ScaleAdapterLinear (theta = 0: the base, bit for
+    bit); every other parameter frozen. ``targets`` (fnmatch on module names) selects which train."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tgt = resolve_target(ck, target)
+    cfg = dict(ck.config)
+    mt = cfg.pop("model_type", None)
+    if mt is None:
+        raise CorruptFileError(f"{ck.path}: config has no model_type")
+    for k in ("transformers_version", "architectures", "torch_dtype", "dtype"):
+        cfg.pop(k, None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **cfg), dtype=dtype)   # no remote code
+    model.config._name_or_path = str(ck.path)
+    dense = dict(ck.dense)
+    named = dict(model.named_modules())
+    hits = 0
+    for name, p in sorted(ck.packed.items()):
+        m = name[: -len(".weight")]
+        lin = named.get(m)
+        if not isinstance(lin, nn.Linear) or (lin.out_features, lin.in_features) != tuple(p.shape):
+            raise CorruptFileError(f"{ck.path}: packed {name} {tuple(p.shape)} matches no linear of the "
+                                   f"{mt} model the config describes")
+        bias = dense.pop(m + ".bias", None)
+        mod = ScaleAdapterLinear(tgt, p.codes, p.scales, p.global_scale, p.shape, bias=bias, param=param, rank=rank,
+                                 ste=ste, name=m)
+        train = any(fnmatch.fnmatchcase(m, pat) for pat in targets)
+        hits += train
+        for q in mod.trainable():
+            q.requires_grad_(train)
+        parent, leaf = m.rsplit(".", 1) if "." in m else ("", m)
+        setattr(named[parent] if parent else model, leaf, mod)
+    if not hits:
+        raise BadInputError(f"method.scale.targets={list(targets)} match none of the {len(ck.packed)} 4-bit linears")
+    for q in model.parameters():
+        if not any(q is t for mod in adapter_modules(model).values() for t in mod.trainable()):
+            q.requires_grad_(False)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                 for k, v in dense.items()}, strict=False)
+    adapted = {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_parameters()
+                                                       if n.endswith((".theta", ".U", ".V"))}
+    missing = [k for k in missing if k not in adapted and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise CorruptFileError(f"{ck.path}: the tensors do not fit the {mt} model: missing {missing[:4]}, "
+                               f"unexpected {list(unexpected)[:4]}")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    return model
+
+
+# ============================================================================ the merge
+@torch.no_grad()
+def merged_converted(model: nn.Module, ck: NativeCheckpoint) -> ConvertedModel:
+    """The trained model as plain data for the exporters: the base's codes and per-tensor scales as read,
+    the scale bytes the forward uses now, every other tensor as the base stored it."""
+    mods = adapter_modules(model)
+    scales, fmts = {}, {}
+    for name, p in ck.packed.items():
+        m = mods.get(name[: -len(".weight")])
+        if m is None:
+            raise ValueError(f"merged_converted: {name} has no ScaleAdapterLinear in the model")
+        if not torch.equal(m.codes.cpu(), p.codes):
+            raise CodePlaneError(f"merged_converted: the codes of {name} changed in training (they are frozen buffers)")
+        scales[name], fmts[name] = m.scale_bytes().cpu(), m.fmt_name
+    return converted_with_scales(ck, scales, fmts)
+
+
+def converted_with_scales(ck: NativeCheckpoint, scales: Dict[str, torch.Tensor], fmts=None) -> ConvertedModel:
+    """ConvertedModel of the base with these scale bytes (a scale file's, or the trained ones): codes,
+    per-tensor scales, dense tensors and config as the base holds them."""
+    if not isinstance(fmts, dict):
+        one = resolve_target(ck, fmts or "auto")       # a named format must decode the base's bytes identically
+        fmts = {n: one for n in ck.packed}
+    packed = {}
+    for name, p in ck.packed.items():
+        b = torch.as_tensor(scales[name])
+        if b.dtype != torch.uint8 or tuple(b.shape) != tuple(p.scales.shape):
+            raise CorruptFileError(f"{name}: scale bytes {b.dtype} {tuple(b.shape)}, the base {tuple(p.scales.shape)}")
+        packed[name] = PackedTensor(fmts[name], p.shape, p.codes.clone(), b.clone(), p.global_scale)
+    dense = {k: v.clone() for k, v in ck.dense.items()}      # biases of the 4-bit linears included
+    return ConvertedModel(packed=packed, dense=dense, config=dict(ck.config),
+                          quant={"method": "scale_adapter", "base": str(ck.path), "container": ck.container,
+                                 "weight_format": sorted({p.format for p in packed.values()})},
+                          recipe={"method": "scale_adapter", "base_code_plane_sha256": ck.code_plane_sha256()},
+                          source_dir=ck.source_dir)
+
+
+# ============================================================================ scale files
+def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = "") -> Dict[str, Any]:
+    """The trained scale bytes of every adapted linear (HF names, HF row order) with the code plane they
+    belong to; written atomically. Returns its metadata."""
+    from safetensors.torch import save_file
+    mods = adapter_modules(model)
+    tensors = {name: mods[name[: -len(".weight")]].scale_bytes().cpu().contiguous() for name in sorted(ck.packed)}
+    fmts = sorted({mods[n[: -len(".weight")]].fmt_name for n in ck.packed})
+    meta = {"kind": SCALE_FILE_KIND, "version": "1", "format": ",".join(fmts), "layout": ck.layout,
+            "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
+            "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
+            "task": task, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return meta
+
+
+def base_scale_file(ck: NativeCheckpoint, path) -> Dict[str, Any]:
+    """The base's own scale bytes as a scale file: applying it is the rollback."""
+    from safetensors.torch import save_file
+    meta = {"kind": SCALE_FILE_KIND, "version": "1", "format": ck.base_format, "layout": ck.layout,
+            "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
+            "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
+            "task": "base (rollback)", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({n: p.scales.contiguous() for n, p in sorted(ck.packed.items())}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return meta
+
+
+def load_scale_file(path, ck: Optional[NativeCheckpoint] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(HF weight name -> uint8 scale bytes, metadata); with ``ck``: refused unless it was made for that code
+    plane and every tensor has the base's shape."""
+    from safetensors import safe_open
+    p = Path(path)
+    if not p.is_file() or p.is_symlink():
+        raise FileNotFoundError(f"scale file {str(path)!r} does not exist (or is a symbolic link)")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CorruptFileError(f"{p}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if meta.get("kind") != SCALE_FILE_KIND:
+        raise BadInputError(f"{p}: not a qatfactory scale file (metadata kind={meta.get('kind')!r})")
+    bad = [k for k, t in tensors.items() if t.dtype != torch.uint8 or t.ndim != 2]
+    if bad:
+        raise CorruptFileError(f"{p}: {bad[:3]} are not 2-D uint8 scale bytes")
+    if ck is not None:
+        sha = ck.code_plane_sha256()
+        if meta.get("base_code_plane_sha256") != sha:
+            raise CodePlaneError(f"{p}: made for code plane {str(meta.get('base_code_plane_sha256'))[:16]}..., the base "
+                                 f"{ck.path} has {sha[:16]}...: its codes changed or it is another checkpoint; a scale "
+                                 f"file applies only onto the code plane it was trained on")
+        if set(tensors) != set(ck.packed):
+            raise CodePlaneError(f"{p}: names differ from the base's 4-bit tensors "
+                                 f"({sorted(set(tensors) ^ set(ck.packed))[:4]})")
+        for k, t in tensors.items():
+            if tuple(t.shape) != tuple(ck.packed[k].scales.shape):
+                raise CorruptFileError(f"{p}: {k} has shape {tuple(t.shape)}, the base {tuple(ck.packed[k].scales.shape)}")
+    return tensors, meta
+
+
+@torch.no_grad()
+def apply_scales(model: nn.Module, ck: NativeCheckpoint, path) -> Dict[str, str]:
+    """In-memory task swap: the model's adapted linears take the file's bytes (theta reset to 0)."""
+    tensors, meta = load_scale_file(path, ck)
+    mods = adapter_modules(model)
+    for name, t in tensors.items():
+        mods[name[: -len(".weight")]].set_scales(t)
+    return meta
+
+
+# ============================================================================ the patched checkpoint
+def write_patched(base, scale_file, out_dir, force: bool = False) -> Dict[str, Any]:
+    """A copy of the base checkpoint (same container) whose scale bytes are the file's and whose every
+    other byte of every tensor (codes, per-tensor scales, dense tensors) is the base's. Written
+    atomically; an existing ``out_dir`` is replaced only with ``force`` and only when it is ours."""
+    ck = read_native(base)
+    tensors, meta = load_scale_file(scale_file, ck)
+    protect = [ck.path]
+    changed = sum(int((tensors[n] != p.scales).sum()) for n, p in ck.packed.items())
+    with _fsutil.atomic_dir(out_dir, replace=force, kinds=("export",), what="scales apply", protect=protect) as tmp:
+        if ck.container == "gguf":
+            _patch_gguf(ck, tensors, tmp)
+        else:
+            _patch_safetensors(ck, tensors, tmp)
+        for name in sorted(os.listdir(ck.path)):
+            src = ck.path / name
+            if name in ck.files or name == "qatfactory.json" or name.startswith("."):
+                continue
+            if src.is_symlink() or not src.is_file():
+                continue        # only regular files travel: never a link, never a directory
+            shutil.copyfile(src, tmp / name, follow_symlinks=False)
+        rec = dict(ck.record) if ck.record else {"qatfactory_export": 1, "engine": "llama_cpp" if ck.container == "gguf"
+                                                 else "vllm", "flavour": ck.container}
+        rec["scales_applied"] = {"scale_file": Path(scale_file).name, "task": meta.get("task", ""),
+                                 "base": str(ck.path), "base_code_plane_sha256": ck.code_plane_sha256(),
+                                 "scale_bytes_changed": changed,
+                                 "applied": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (tmp / "qatfactory.json").write_text(json.dumps(rec, indent=2) + "\n")
+    return {"out_dir": str(out_dir), "scale_bytes_changed": changed, "code_plane_sha256": ck.code_plane_sha256()}
+
+
+def _patch_safetensors(ck: NativeCheckpoint, tensors: Dict[str, torch.Tensor], tmp: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    for fn in ck.files:
+        with safe_open(str(ck.path / fn), framework="pt") as f:
+            meta = f.metadata()
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+        for k in list(sd):
+            if k.endswith(".weight_scale") and k[: -len("_scale")] in tensors:
+                new = tensors[k[: -len("_scale")]]
+                sd[k] = new.view(torch.float8_e4m3fn) if sd[k].dtype == torch.float8_e4m3fn else new.clone()
+        save_file(sd, str(tmp / fn), metadata=meta)
+    if (ck.path / INDEX).is_file():
+        shutil.copyfile(ck.path / INDEX, tmp / INDEX, follow_symlinks=False)
+
+
+def _patch_gguf(ck: NativeCheckpoint, tensors: Dict[str, torch.Tensor], tmp: Path) -> None:
+    """Copy the file, then overwrite each NVFP4/MXFP4 tensor's blocks in place (at the offsets gguf-py
+    reads) with the same blocks holding the new scale bytes; every other byte stays the base's."""
+    import gguf
+    import numpy as np
+    src = ck.path / ck.gguf_file
+    dst = tmp / ck.gguf_file
+    shutil.copyfile(src, dst, follow_symlinks=False)
+    reader = gguf.GGUFReader(str(src))
+    arch = _field(reader, "general.architecture")
+    arch_key, permute = _GGUF_ARCH[arch]
+    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_key), int(ck.config["num_hidden_layers"]))
+    by = {t.name: t for t in reader.tensors}
+    n_head = int(ck.config["num_attention_heads"])
+    n_kv = int(ck.config.get("num_key_value_heads") or n_head)
+    with open(dst, "r+b") as out:
+        for name, p in sorted(ck.packed.items()):
+            gname = tmap.get_name(name[: -len(".weight")]) + ".weight"
+            t = by[gname]
+            fmt = get_format("nvfp4_ggml" if t.tensor_type.name == "NVFP4" else "mxfp4_ggml")
+            old = np.array(t.data, dtype=np.uint8).reshape(p.shape[0], -1)
+            q = PackedTensor(fmt.name, p.shape, p.codes, tensors[name].clone(), None)
+            new = torch.from_numpy(np.ascontiguousarray(fmt.to_bytes(q)))
+            heads = (n_head if ".attn_q." in gname else n_kv if ".attn_k." in gname else None) if permute else None
+            if heads:
+                new = _permute(new, heads)
+            new = new.numpy()
+            rt = fmt.to_bytes(PackedTensor(fmt.name, p.shape, p.codes, p.scales, None))
+            if heads:
+                rt = _permute(torch.from_numpy(np.ascontiguousarray(rt)), heads).numpy()
+            if not np.array_equal(rt, old):
+                raise CorruptFileError(f"{src}: {gname} does not re-encode to its own bytes; not patched")
+            if new.shape != old.shape or int(new.nbytes) != int(t.n_bytes):
+                raise CorruptFileError(f"{src}: {gname}: {new.shape} bytes for a {old.shape} tensor")
+            out.seek(int(t.data_offset))
+            out.write(new.tobytes())

@@ -1,0 +1,152 @@
+"""nn/scale_adapter.py: theta = 0 is the checkpoint's forward bit for bit; the forward at any theta is
+exactly a linear with the dequantized (codes, shifted scale bytes); the hand-written backward equals
+torch autograd through the straight-through surrogate (grad x, grad theta, dense and low-rank); all-zero
+blocks get no gradient; the bytes are buffers (a bf16 cast leaves them alone); set_scales swaps exactly."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qatfactory.formats import get_format
+from qatfactory.nn.scale_adapter import ScaleAdapterLinear, scale_stats
+
+FMTS = ["nvfp4", "mxfp4", "nvfp4_ggml", "mxfp4_ggml"]
+
+
+def _layer(name, param="dense", ste="continuous", out=24, k=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=g) * 0.05
+    w[2, :64] = 0.0                                             # all-zero blocks
+    f = get_format(name)
+    p = f.quantize(w)
+    mod = ScaleAdapterLinear(name, p.codes, p.scales, p.global_scale, (out, k), param=param, rank=3, ste=ste,
+                             name="m")
+    return mod, p, f
+
+
+@pytest.mark.parametrize("name", FMTS)
+def test_theta_zero_is_the_checkpoint_bit_for_bit(name):
+    mod, p, f = _layer(name)
+    x = torch.randn(5, 7, 128)
+    want = F.linear(x, f.dequantize(p))
+    assert torch.equal(mod(x), want)
+    with torch.no_grad():
+        assert torch.equal(mod(x), want)
+    assert torch.equal(mod.scale_bytes(), p.scales) and torch.equal(mod.codes, p.codes)
+
+
+def _surrogate(mod, x, t):
+    """W(t) = c * (m_q + m_cont(t) - m_cont(t).detach()): the rounded forward with a straight-through
+    gradient on the scale only, written with plain differentiable torch ops (no custom backward)."""
+    f = mod.fmt
+    b, clamped = f.shift_scales(mod.scales0, t.detach())
+    td = t.detach()
+    if t.requires_grad:   # at the grid's edge no gradient pushes the offset further out
+        t.register_hook(lambda g: torch.where(clamped & (((td > 0) & (g < 0)) | ((td < 0) & (g > 0))),
+                                              torch.zeros_like(g), g))
+    pq = mod.packed_with(b)
+    bs = f.spec.block_size
+    m_q = f.block_multiplier(pq)
+    if mod.ste == "continuous":
+        m_c = f.block_multiplier(mod.packed_with(mod.scales0)) * torch.exp2(t)
+    else:
+        m_c = m_q * torch.exp2(t - t.detach())
+    m = m_q + (m_c - m_c.detach())
+    c = f.code_values(pq).reshape(mod.out_features, -1, bs)
+    w = (c * m[..., None]).reshape(mod.out_features, -1)
+    return F.linear(x, w)
+
+
+@pytest.mark.parametrize("name", FMTS)
+@pytest.mark.parametrize("param,ste", [("dense", "continuous"), ("dense", "rounded"), ("lowrank", "continuous")])
+def test_backward_equals_autograd_through_the_surrogate(name, param, ste):
+    torch.manual_seed(1)    # theta, x and gy: the same draws whatever ran before in this process
+    mod, p, f = _layer(name, param, ste, seed=1)
+    with torch.no_grad():
+        if param == "dense":
+            mod.theta.normal_(0, 0.3 if "nvfp4" in name else 1.0)
+        else:
+            mod.U.normal_(0, 0.3)
+    x = torch.randn(3, 6, 128, requires_grad=True)
+    gy = torch.randn(3, 6, 24)
+    y = mod(x)
+    # the forward is exactly the linear with the current (shifted) bytes
+    assert torch.equal(y, F.linear(x, f.dequantize(mod.packed())))
+    (y * gy).sum().backward()
+    if name == "nvfp4":       # the largest block sits at 448: a positive offset there is clamped
+        assert bool(mod.fmt.shift_scales(mod.scales0, mod.log2_offset().detach())[1].any())
+    got_x = x.grad.clone()
+    got = [q.grad.clone() for q in mod.trainable()]
+    x.grad = None
+    for q in mod.trainable():
+        q.grad = None
+    y2 = _surrogate(mod, x, mod.log2_offset())
+    assert torch.equal(y2, y)
+    (y2 * gy).sum().backward()
+    assert torch.allclose(got_x, x.grad, rtol=1e-5, atol=1e-7)
+    for a, q in zip(got, mod.trainable()):
+        assert torch.allclose(a, q.grad, rtol=1e-4, atol=1e-9), (a - q.grad).abs().max()
+    if param == "dense":
+        bs = f.spec.block_size
+        assert torch.all(got[0][2, : 64 // bs] == 0)             # all-zero blocks: no gradient
+        assert got[0].abs().sum() > 0
+
+
+def test_gradient_is_a_finite_difference_of_the_continuous_scale():
+    # d/dtheta of sum(gy * x @ W^T) where W's block scale is multiplied by 2^theta (no rounding): the
+    # analytic gradient against the frozen codes, checked numerically in float64 on one block
+    mod, p, f = _layer("nvfp4", seed=2)
+    x = torch.randn(4, 128, dtype=torch.float64)
+    gy = torch.randn(4, 24, dtype=torch.float64)
+    o, b = 5, 3
+    base = f.dequantize(p).double()
+
+    def loss(eps):
+        w = base.clone()
+        w[o, b * 16:(b + 1) * 16] *= 2.0 ** eps
+        return float((gy * (x @ w.t())).sum())
+    num = (loss(1e-6) - loss(-1e-6)) / 2e-6
+    mod.theta.data.zero_()
+    y = mod(x.float())
+    (y * gy.float()).sum().backward()
+    assert mod.theta.grad[o, b].item() == pytest.approx(num, rel=1e-3)
+
+
+def test_bytes_are_buffers_that_a_bf16_cast_leaves_alone_and_stats():
+    mod, p, f = _layer("nvfp4")
+    assert [n for n, _ in mod.named_parameters()] == ["theta"]
+    assert {n for n, _ in mod.named_buffers()} == {"codes", "scales0", "global_bits"}
+    g_before = mod.global_scale().clone()
+    mod.bfloat16()
+    assert mod.codes.dtype == torch.uint8 and mod.scales0.dtype == torch.uint8
+    assert mod.global_bits.dtype == torch.int32 and torch.equal(mod.global_scale(), g_before)
+    mod.float()
+    with torch.no_grad():
+        mod.theta[0, 0] = 0.5        # one E4M3 step is 2^(1/8)..2^(1/16): this moves the byte
+        mod.theta[1, 0] = 30.0       # far beyond 448: clamped
+    st = scale_stats(torch.nn.Sequential(mod))
+    n = mod.theta.numel()
+    assert st["scales/changed"] == pytest.approx(2 / n) and st["scales/saturated"] == pytest.approx(1 / n)
+    assert int(mod.scale_bytes()[1, 0]) == 0x7E
+    with torch.no_grad():
+        mod.theta[0, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        scale_stats(torch.nn.Sequential(mod))
+
+
+def test_set_scales_swaps_exactly_and_rolls_back():
+    mod, p, f = _layer("mxfp4")
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        mod.theta.normal_(0, 1.5)
+    trained = mod.scale_bytes()
+    y_trained = mod(x)
+    base = mod.scales0.clone()
+    mod.set_scales(trained)                       # bake: theta = 0 relative to the trained bytes
+    assert float(mod.theta.detach().abs().sum()) == 0 and torch.equal(mod(x), y_trained)
+    mod.set_scales(base)                          # rollback
+    assert torch.equal(mod(x), F.linear(x, f.dequantize(p)))
+    with pytest.raises(ValueError, match="uint8"):
+        mod.set_scales(base.float())
+    assert math.isfinite(float(mod(x).detach().sum()))
