@@ -6,6 +6,7 @@ names) and the dense tensors; W4A4 activation fake quant is attached with hooks 
 format API directly, using the converted input_amax."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import types
@@ -104,13 +105,15 @@ def rebuild(cm, out_dir: str):
 
 
 # ----------------------------------------------------------------------------- KV cache reference
-def attach_kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
+@contextlib.contextmanager
+def kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
     """K/V fake quant on a plain transformers model, at another hook point than qatfactory's
     (nn/kv_cache.py wraps the attention interface): the modeling module's ``apply_rotary_pos_emb`` is
     wrapped so the K it returns is fake-quantized, and a forward hook fake-quantizes v_proj's output
     per head. ``scales``: {attention module name: (k_scale, v_scale)} for formats with a per-layer
     scale. Llama-architecture K goes through llama.cpp's element order, built from transformers'
-    GGUF loader's un-permutation (``gguf_order`` overrides the choice). Undo with the returned function."""
+    GGUF loader's un-permutation (``gguf_order`` overrides the choice). A context manager: the patch and
+    the hooks are removed on exit."""
     import sys as _sys
 
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -154,10 +157,10 @@ def attach_kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
             return fmt.fake_quantize(v, sc(n, 1)).reshape(out.shape)
         hooks.append(mod.v_proj.register_forward_hook(v_hook))
     modeling.apply_rotary_pos_emb = rope
-
-    def undo():
+    assert names
+    try:
+        yield m
+    finally:
         modeling.apply_rotary_pos_emb = base_rope
         for h in hooks:
             h.remove()
-    assert names
-    return undo

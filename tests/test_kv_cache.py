@@ -1,7 +1,7 @@
 """The KV cache in the loop (nn/kv_cache.py + QuantConfig.kv_format): K after RoPE and V fake-quantized
 with the engine's write rule in every supported architecture, calibrated, trained through, converted.
 
-The reference never touches qatfactory.nn: tests/quant_helpers.attach_kv_reference fake-quantizes the
+The reference never touches qatfactory.nn: tests/quant_helpers.kv_reference fake-quantizes the
 K that transformers' apply_rotary_pos_emb returns and v_proj's output, on a plain model rebuilt from
 convert()'s tensors, through the format API with the converted scales."""
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from quant_helpers import DT, attach_kv_reference, ids, rebuild, tiny
+from quant_helpers import DT, ids, kv_reference, rebuild, tiny
 from qatfactory.nn import kv_cache as KV
 from qatfactory.quantize import QuantConfig, calibrate, convert, load_student, prepare, save_student
 
@@ -85,9 +85,8 @@ def test_prepared_with_kv_equals_rebuilt_from_converted(tmp_path, kind, preset, 
     assert cm.kv_cache["format"] == kv and len(cm.kv_cache["layers"]) == m.config.num_hidden_layers
     r = rebuild(cm, str(tmp_path / "r"))
     no_kv = _logits(r, x)
-    undo = attach_kv_reference(r, kv, _scales(cm))
-    b = _logits(r, x)
-    undo()
+    with kv_reference(r, kv, _scales(cm)):
+        b = _logits(r, x)
     assert a.dtype == b.dtype == DT
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.equal(a, no_kv)             # the cache quantization is not a no-op
@@ -103,12 +102,10 @@ def test_llama_k_is_quantized_in_llama_cpps_element_order(tmp_path):
     x = ids()
     a = _logits(m, x)
     r = rebuild(convert(m), str(tmp_path / "r"))
-    undo = attach_kv_reference(r, "q8_0_kv")
-    assert torch.equal(a, _logits(r, x))
-    undo()
-    undo = attach_kv_reference(r, "q8_0_kv", gguf_order=False)
-    assert not torch.equal(a, _logits(r, x))
-    undo()
+    with kv_reference(r, "q8_0_kv"):
+        assert torch.equal(a, _logits(r, x))
+    with kv_reference(r, "q8_0_kv", gguf_order=False):
+        assert not torch.equal(a, _logits(r, x))
     q3 = tiny("qwen3", hidden=128, num_attention_heads=2)
     prepare(q3, QuantConfig.preset("nvfp4_w4a16", kv_format="q8_0_kv"))
     assert not any(q.permute_k for _, q in KV.kv_quantizers(q3))
@@ -172,8 +169,8 @@ def test_dynamic_scales_follow_each_batch_and_must_be_frozen_before_convert(tmp_
     a = _logits(m, x)
     cm = convert(m)
     r = rebuild(cm, str(tmp_path / "r"))
-    attach_kv_reference(r, "fp8_e4m3", _scales(cm))
-    torch.testing.assert_close(a, _logits(r, x), atol=0, rtol=0)
+    with kv_reference(r, "fp8_e4m3", _scales(cm)):
+        torch.testing.assert_close(a, _logits(r, x), atol=0, rtol=0)
 
 
 def test_save_load_student_keeps_the_kv_state(tmp_path):
@@ -225,3 +222,16 @@ def test_generation_with_the_cache_reads_the_same_quantized_k_and_v():
             nxt = m(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(out, seq)
+
+
+def test_sglangs_nan_on_overflow_is_a_clear_error_not_a_silent_nan():
+    m = tiny("qwen3")
+    prepare(m, QuantConfig.preset("nvfp4_w4a16", kv_format="fp8_e4m3_sglang"))
+    calibrate(m, [ids(seed=3)])
+    for _, q in KV.kv_quantizers(m):
+        q.k_amax.mul_(0.25)              # a scale 4x too small: |K/s| beyond 464 somewhere
+    with pytest.raises(RuntimeError, match="K exceeds the largest value its scale can store.*NaN, in serving as here"):
+        _logits(m, ids())
+    for _, q in KV.kv_quantizers(m):
+        q.fmt_name = "fp8_e4m3"          # vLLM's rule saturates instead
+    assert torch.isfinite(_logits(m, ids())).all()

@@ -55,6 +55,7 @@ class KVCacheSpec:
     head_order: str               # "hf" | "gguf" (llama arch: K in the converter's permuted order)
     bits_per_element: float       # storage bits per K/V element (block scales included)
     oracle: str                   # the independent implementation the tests compare with
+    overflow: str = "saturate"    # beyond the largest code: "saturate" | "nan" (SGLang's torch cast)
     vllm_cache_dtype: Optional[str] = None     # vLLM --kv-cache-dtype that runs this rule
     sglang_cache_dtype: Optional[str] = None   # SGLang --kv-cache-dtype
     modelopt_algo: Optional[str] = None        # hf_quant_config.json quantization.kv_cache_quant_algo

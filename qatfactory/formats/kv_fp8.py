@@ -151,7 +151,7 @@ FP8_SGLANG_SPEC = KVCacheSpec(
              "non-saturating: |y| > 464 -> NaN (torch's CUDA cast)",
     oracle="ml_dtypes bfloat16 and float8_e4m3fn casts (non-saturating, as torch's CUDA cast); a transcription "
            "of torch's CUDA scalar division",
-    sglang_cache_dtype="fp8_e4m3", modelopt_algo="FP8", ct_num_bits=8,
+    sglang_cache_dtype="fp8_e4m3", modelopt_algo="FP8", ct_num_bits=8, overflow="nan",
     notes="the same checkpoint scales as fp8_e4m3; differs from vLLM's rule in the last E4M3 bit where the bf16 "
           "rounding moves x/s across a tie, and beyond 448 (NaN instead of saturation)",
     **_COMMON)

@@ -169,7 +169,16 @@ class KVCacheQuantizer(nn.Module):
             ks, vs = f.scale(ka), f.scale(va)
         else:
             ks, vs = self.scales()
-        return self._fq(key, ks, self.permute_k), self._fq(value, vs, False)
+        kq, vq = self._fq(key, ks, self.permute_k), self._fq(value, vs, False)
+        if f.spec.overflow == "nan":
+            for which, t in (("K", kq), ("V", vq)):
+                if not bool(torch.isfinite(t).all()):
+                    raise RuntimeError(
+                        f"{self.owner or 'KVCacheQuantizer'}: {which} exceeds the largest value its scale can store "
+                        f"(464/448 of the calibrated {which.lower()}_amax); the engine's write rule {self.fmt_name!r} "
+                        f"({f.spec.rounding}) turns it into NaN, in serving as here. Calibrate the KV scales on data "
+                        f"that reaches such values, or use a saturating rule (e.g. fp8_e4m3 for vLLM)")
+        return kq, vq
 
 
 # ============================================================================= attention hook
