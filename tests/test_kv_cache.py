@@ -235,3 +235,22 @@ def test_sglangs_nan_on_overflow_is_a_clear_error_not_a_silent_nan():
     for _, q in KV.kv_quantizers(m):
         q.fmt_name = "fp8_e4m3"          # vLLM's rule saturates instead
     assert torch.isfinite(_logits(m, ids())).all()
+
+
+@pytest.mark.parametrize("over,want", [
+    (["format=nvfp4_w4a16_kvfp8"], ("nvfp4", None, "fp8_e4m3")),
+    (["format=nvfp4_w4a4_kvfp8", "method=qad"], ("nvfp4", "nvfp4_act", "fp8_e4m3")),
+    (["format=nvfp4_w4a4_kvnvfp4"], ("nvfp4", "nvfp4_act", "nvfp4_kv")),
+    (["format=q4_k_kvq8_0"], ("q4_k_m", None, "q8_0_kv_x86")),
+    (["format=mxfp4_w4a4", "quant.kv_format=fp8_e4m3", "quant.kv_calib_method=mse"], ("mxfp4", "mxfp4_rceil", "fp8_e4m3")),
+])
+def test_recipes_combine_weight_activation_and_kv_formats(over, want):
+    from qatfactory.train.config import compose
+    q = compose(over).quant
+    assert (q.weight_format, q.act_format, q.kv_format) == want
+
+
+def test_a_kv_format_on_a_bf16_run_is_refused():
+    from qatfactory.train.config import compose
+    with pytest.raises(ValueError, match="quant.kv_format='fp8_e4m3' with format=bf16"):
+        compose(["format=bf16", "quant.kv_format=fp8_e4m3"])
