@@ -120,9 +120,12 @@ def test_calibration_max_is_the_largest_k_after_rope_and_mse_is_no_worse():
     seen, cur = {}, {}
     base = modeling.apply_rotary_pos_emb
 
+    rows = {}
+
     def rope(q, k, *a, **kw):
         q2, k2 = base(q, k, *a, **kw)
         seen.setdefault(cur["n"], [0.0, 0.0])[0] = max(seen.get(cur["n"], [0.0, 0.0])[0], float(k2.abs().max()))
+        rows.setdefault(cur["n"], []).append(k2.detach().float().reshape(-1, k2.shape[-1]))
         return q2, k2
     hooks = []
     for i, layer in enumerate(m.model.layers):
@@ -140,10 +143,20 @@ def test_calibration_max_is_the_largest_k_after_rope_and_mse_is_no_worse():
     assert info["kv_cache"]["layers"] == 2 and info["kv_cache"]["method"] == "max"
     for n, q in KV.kv_quantizers(m):
         assert float(q.k_amax) == seen[n][0] and float(q.v_amax) == seen[n][1]
-    # mse picks, per layer and tensor, one of the candidates 2^(-i/8) * max
+    # mse picks, per layer and tensor, the candidate 2^(-i/8) * max with the least squared error over every
+    # calibration K row (few rows here: none thinned away), computed here with the format API
     before = {n: (float(q.k_amax), float(q.v_amax)) for n, q in KV.kv_quantizers(m)}
     m._qf_config.kv_calib_method = "mse"
     info = calibrate(m, batches)
+    from qatfactory.formats.kv import get_kv_format
+    f = get_kv_format("fp8_e4m3")
+    for n, q in KV.kv_quantizers(m):
+        kr = torch.cat(rows[n][:2])            # the max pass above saw both batches once
+        errs = []
+        for i in range(KV.MSE_STEPS):
+            a_ = torch.tensor(before[n][0] * 2.0 ** (-i / 8), dtype=torch.float32)
+            errs.append((float(((f.values(kr, f.scale(a_)) - kr) ** 2).sum()), float(a_)))
+        assert float(q.k_amax) == min(errs)[1]
     after = {n: (float(q.k_amax), float(q.v_amax)) for n, q in KV.kv_quantizers(m)}
     for n in before:
         for b, a in zip(before[n], after[n]):
@@ -254,3 +267,12 @@ def test_a_kv_format_on_a_bf16_run_is_refused():
     from qatfactory.train.config import compose
     with pytest.raises(ValueError, match="quant.kv_format='fp8_e4m3' with format=bf16"):
         compose(["format=bf16", "quant.kv_format=fp8_e4m3"])
+
+
+def test_readme_kv_table_matches_the_registry():
+    import re
+    from pathlib import Path
+    from qatfactory.formats.kv import markdown_table
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    m = re.search(r"<!-- kv-formats-table -->\n(.*?)\n<!-- /kv-formats-table -->", text, re.S)
+    assert m and m.group(1).strip() == markdown_table().strip()

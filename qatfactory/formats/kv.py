@@ -222,3 +222,25 @@ def kv_formats_for(engine: str) -> List[str]:
     if key is None:
         raise ValueError(f"kv_formats_for: engine={engine!r}; allowed: vllm, sglang, llama_cpp")
     return [n for n in list_kv_formats() if getattr(get_kv_format(n).spec, key)]
+
+
+def markdown_table() -> str:
+    """The README's table of KV-cache formats (``python -m qatfactory.formats.kv``)."""
+    rows = ["| name | engine write path followed | block | per-layer scale | rounding | bits/element | serve with | oracle |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name in list_kv_formats():
+        s = get_kv_format(name).spec
+        serve = "; ".join(x for x in (
+            f"vLLM `--kv-cache-dtype {s.vllm_cache_dtype}`" if s.vllm_cache_dtype else "",
+            f"SGLang `--kv-cache-dtype {s.sglang_cache_dtype}`" if s.sglang_cache_dtype else "",
+            f"llama.cpp `--cache-type-k {s.llama_cpp_type} --cache-type-v {s.llama_cpp_type}`" if s.llama_cpp_type
+            else "") if x)
+        rows.append(f"| `{s.name}` | {s.engine} | {s.block or 'per tensor'} | "
+                    f"{'yes: ' + s.scale_rule if s.static_scale else 'none (' + s.scale_rule + ')'} | {s.rounding} | "
+                    f"{s.bits_per_element:g} | {serve} | {s.oracle} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":    # run as a script, this file is not the registry module: use the package's
+    from qatfactory.formats.kv import markdown_table as _table
+    print(_table())

@@ -18,7 +18,8 @@ Scales (formats with a per-layer scale: fp8, nvfp4), per attention layer, K and 
 
     frozen   ``k_amax`` / ``v_amax`` buffers set by calibration (max: largest |K| over the
              calibration batches; mse: the amax among 2^(-i/8) * max, i = 0..16, with the least
-             squared error of the fake-quantized K on a sample of K rows); the scale the engine
+             squared error of the fake-quantized K over the calibration K rows, thinned to every
+             other row beyond 16384, the max row kept); the scale the engine
              loads is ``fmt.scale(amax)`` (amax / 448), exported as k_scale / v_scale
     dynamic  amax of the tensor in each forward (what vLLM's ``calculate_kv_scales`` does once);
              the buffers keep the running max. The engine has one static scale per layer, so
@@ -116,12 +117,12 @@ class KVCacheQuantizer(nn.Module):
         if self.calibrating == "mse":
             rows = x.detach().float().reshape(-1, x.shape[-1])
             keep = self._samples[which]
-            keep.append(rows[rows.abs().amax(-1).argmax()].unsqueeze(0).cpu())   # the row holding the max
             keep.append(rows.cpu())
-            n = sum(r.shape[0] for r in keep)
-            if n > 2 * MSE_SAMPLE_ROWS:                 # thin deterministically: every other row
+            if sum(r.shape[0] for r in keep) > 2 * MSE_SAMPLE_ROWS:
+                # thin deterministically, every other row, keeping the row that holds the max
                 allr = torch.cat(keep)
-                self._samples[which] = [allr[:1], allr[1::2]]
+                top = int(allr.abs().amax(-1).argmax())
+                self._samples[which] = [allr[0::2]] + ([allr[top:top + 1]] if top % 2 else [])
 
     @torch.no_grad()
     def finish_calibration(self) -> Dict[str, float]:
@@ -133,7 +134,6 @@ class KVCacheQuantizer(nn.Module):
                 if not float(buf) > 0 or not self._samples[which]:
                     continue
                 rows = torch.cat(self._samples[which])
-                rows = rows[: 2 * MSE_SAMPLE_ROWS]
                 if which == "k" and self.permute_k:
                     rows = rows[:, self.k_order.cpu()]
                 best, best_err = float(buf), None
