@@ -41,6 +41,7 @@ from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
 
 from .gguf_vocab import write_tokenizer_kv
+from . import kv as KV  # issue 22: the cache type the student was trained for
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, is_ggml_variant,
                    module_of, register_exporter, safetensors_layout, spec_of, ties_embeddings, tied_duplicates)
 
@@ -244,6 +245,7 @@ class LlamaCppExporter(Exporter):
             gguf_layout(name, p)
         activation_mode(converted)
         tied_duplicates(converted)
+        KV.check_kv(converted, "llama_cpp", flavour)   # issue 22: a llama.cpp cache type, or none
 
     def write(self, converted: ConvertedModel, out: Path, flavour: str, dense_dtype: str = "auto",
               tokenizer_pre: Optional[str] = None, **options):
@@ -410,6 +412,7 @@ class LlamaCppExporter(Exporter):
         extra = {"gguf_file": GGUF_NAME, "architecture": arch, "qk_permuted": permute, "tokenizer": tok_info,
                  "ggml_types": {gguf.GGMLQuantizationType(k).name: v for k, v in sorted(type_counts.items())},
                  "mode": mode, "tied_embeddings": ties_embeddings(converted)}
+        extra.update(KV.kv_record(converted, "llama_cpp"))   # issue 22: the cache type and its flags
         return files, extra
 
 

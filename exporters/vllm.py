@@ -40,6 +40,7 @@ import torch
 
 from qatfactory.formats import ConvertedModel
 
+from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
                    is_ggml_variant, module_of, register_exporter, safetensors_layout, save_sharded, spec_of,
                    ties_embeddings, tied_duplicates, write_json, EMBED, LM_HEAD)
@@ -143,6 +144,7 @@ class SafetensorsExporter(Exporter):
         lay = self.layout_for(converted, flavour)
         check_fused_scales(converted)
         tied_duplicates(converted)
+        KV.check_kv(converted, self.engine, flavour)   # issue 22
         mode = activation_mode(converted)
         if lay == "int4":
             if mode == "w4a4":
@@ -206,6 +208,10 @@ class SafetensorsExporter(Exporter):
             # head untied: lm_head.weight is the embedding's own bytes, listed in exclude_modules, so the
             # engine computes the same logits the tied student does.
             tensors[LM_HEAD] = converted.dense[EMBED].clone()
+        kv_t = KV.kv_tensors(converted, flavour)           # issue 22: per-layer k_scale / v_scale
+        if set(kv_t) & set(tensors):
+            raise ExportError(f"k/v scale names {sorted(set(kv_t) & set(tensors))[:3]} clash with model tensors")
+        tensors.update(kv_t)
         files = save_sharded(tensors, out, max_shard_bytes=max_shard_bytes)
 
         cfg = dict(converted.config)
@@ -218,10 +224,14 @@ class SafetensorsExporter(Exporter):
             cfg["architectures"] = _architectures(cfg.get("model_type"))
         if flavour == "modelopt":
             qc, hf_quant = self._modelopt_config(mode, exclude)
+            algo, scheme = KV.modelopt_kv_config(converted)     # issue 22: None/None without a KV format
+            hf_quant["quantization"]["kv_cache_quant_algo"] = algo
+            qc["kv_cache_quant_algo"], qc["kv_cache_scheme"] = algo, scheme
             write_json(out / "hf_quant_config.json", hf_quant)
             files.append("hf_quant_config.json")
         else:
             qc = self._ct_config(lay, mode, exclude, next(iter(converted.packed.values())))
+            qc["kv_cache_scheme"] = KV.ct_kv_scheme(converted)  # issue 22
         cfg["quantization_config"] = qc
         write_json(out / "config.json", cfg)
         files.append("config.json")
@@ -233,6 +243,7 @@ class SafetensorsExporter(Exporter):
                                              "divide (G = 1/S)" if lay == "nvfp4" else
                                              "none (one scale per row / group)" if lay == "int4" else
                                              "none (E8M0 only)")}
+        extra.update(KV.kv_record(converted, self.engine))   # issue 22
         return files, extra
 
     @staticmethod

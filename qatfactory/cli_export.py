@@ -124,6 +124,9 @@ def _run(args) -> int:
             opts["max_shard_bytes"] = int(args.max_shard_gb * 2**30)
         r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force, **opts)
         print(f"exported {r.engine}/{r.flavour} -> {r.path} ({', '.join(r.files)})")
+        kv = r.record.get("kv_cache")   # issue 22: the cache type the student was trained for
+        if kv:
+            print(f"KV cache: trained for {kv['format']}; serve it with {kv['serve_flags']}")
         if args.verify:
             res = verify(r.path, cm)
             _print_result(res, quiet=False)

@@ -36,6 +36,7 @@ from .nn.fake_quant import ActQuantizer, WeightQuantizer, has_global_scale, quan
 from .nn.linear import QuantLinear
 from .nn.lora import LoRA
 from .nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES, LowBitQuantizer
+from .nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
 CALIB_METHODS = ("max", "mse", "four_over_six")
@@ -98,6 +99,11 @@ class QuantConfig:
       as vLLM/SGLang fuse them at load.
     * ``lowbit_grad``: the scale gradient of the ParetoQ grids (int4_lsq ... binary_sign): ``released``
       (ParetoQ's code, ternary quirk included) or ``clean`` (ternary clipped-region gradient 2/3).
+    * ``kv_format``: None = the engine's cache stays in the model dtype; else a KV-cache format
+      (``qatfactory.formats.kv.list_kv_formats()``: fp8_e4m3, nvfp4_kv, q8_0_kv, ...) whose write rule
+      fake-quantizes K and V in every attention layer (nn/kv_cache.py). ``kv_scale_strategy``:
+      frozen (calibrated per-layer K/V amax) | dynamic (per-forward amax, frozen before convert);
+      ``kv_calib_method``: max | mse.
     * ``min_coverage``: the smallest fraction of the Linear-like parameters asked for (targeted and
       not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
       that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
@@ -126,6 +132,10 @@ class QuantConfig:
     name: str = ""
     min_coverage: float = 0.5
     lowbit_grad: str = "released"
+    # issue 22: KV-cache format (nn/kv_cache.py); None keeps the cache in the model dtype
+    kv_format: Optional[str] = None
+    kv_scale_strategy: str = "frozen"
+    kv_calib_method: str = "max"
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -139,6 +149,8 @@ class QuantConfig:
         _check_choice("QuantConfig.calib_method", self.calib_method, CALIB_METHODS)
         _check_choice("QuantConfig.ste", self.ste, STE_MODES)
         _check_choice("QuantConfig.lowbit_grad", self.lowbit_grad, LOWBIT_GRAD_RULES)
+        _check_choice("QuantConfig.kv_scale_strategy", self.kv_scale_strategy, KV.KV_STRATEGIES)
+        _check_choice("QuantConfig.kv_calib_method", self.kv_calib_method, KV.KV_CALIB_METHODS)
         if isinstance(self.min_coverage, bool) or not isinstance(self.min_coverage, (int, float)) or \
                 not 0.0 <= float(self.min_coverage) <= 1.0:
             raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
@@ -170,6 +182,11 @@ class QuantConfig:
                 _check_weight_format(f"QuantConfig.rules[{i}].weight", r.weight)
             if r.act is not None and r.act not in NO_ACT:
                 _check_act_format(f"QuantConfig.rules[{i}].act", r.act)
+        if self.kv_format is not None:
+            from .formats.kv import list_kv_formats
+            if self.kv_format not in list_kv_formats():
+                raise ValueError(f"QuantConfig.kv_format={self.kv_format!r} is not a KV-cache format; allowed: "
+                                 f"{list_kv_formats()} or None (the cache in the model dtype)")
         if self.scale_strategy == "learnable" and self.lora.rank:
             raise ValueError("QuantConfig.scale_strategy='learnable' with lora.rank>0: LSQ scales and LoRA "
                              "together are not supported; allowed: one of them")
@@ -490,6 +507,9 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
             if isinstance(m, LowBitQuantizer):
                 m.grad_rule = cfg.lowbit_grad
         _init_scale_state(model, "max")
+        if cfg.kv_format is not None:     # issue 22: K/V fake quant in every attention layer
+            undo.append(("kv", model, None, None))
+            KV.attach(model, cfg.kv_format, cfg.kv_scale_strategy)
         model._qf_config = cfg
         rep = coverage(model).raise_if_errors()
     except BaseException:
@@ -549,6 +569,8 @@ def _undo_prepare(model, undo, grads) -> None:
     for kind, a, b, c in reversed(undo):
         if kind == "linear":
             setattr(a, b, c)
+        elif kind == "kv":
+            KV.detach(a)
         else:
             cls, mods, attrs = b
             a.__class__ = cls
@@ -759,14 +781,22 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
     _init_scale_state(model, method)
     acts = [(n, q) for n, q in _act_quantizers(model) if q.static]
     imat = [(n, m) for n, m in _quant_linears(model) if m.weight_quant.uses_imatrix] if batches is not None else []
+    kvq = [(n, q) for n, q in KV.kv_quantizers(model) if q.static]    # issue 22: per-layer K/V amax
     n_batches = 0
     if acts and batches is None:
         raise ValueError("calibrate: W4A4 with a static activation amax needs batches= (an iterable of "
                          "input_ids tensors or dicts of model kwargs)")
+    if kvq and batches is None:
+        raise ValueError(f"calibrate: the KV-cache format {cfg.kv_format!r} has one K and one V scale per layer, "
+                         f"calibrated on batches=; give an iterable of input_ids tensors or dicts of model kwargs")
+    if kvq and (acts or imat) and not isinstance(batches, (list, tuple)):
+        batches = list(batches)    # the KV pass below runs over them again
     if acts or imat:
         for _, q in acts:
             q.amax.zero_()
             q.calibrating = True
+        for _, q in kvq:
+            q.calibrating = "pass"    # K/V untouched until their own pass below
         sums = {n: [torch.zeros(m.in_features, dtype=torch.float64, device=m.weight.device), 0] for n, m in imat}
         hooks = [m.register_forward_pre_hook(_imatrix_hook(sums[n])) for n, m in imat]
         for _, m in imat:     # statistics of the inputs the plain quantizer would see
@@ -781,6 +811,8 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
         finally:
             for _, q in acts:
                 q.calibrating = False
+            for _, q in kvq:
+                q.calibrating = None
             for h in hooks:
                 h.remove()
             model.train(was_training)
@@ -797,7 +829,32 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
         if missing:
             raise ValueError(f"calibrate: no non-zero activation reached {missing[:8]} over {n_batches} batch(es); "
                              f"give batches that exercise every module")
-    return {"method": method, "batches": n_batches, "activation_quantizers": len(acts), "imatrix": len(imat)}
+    out = {"method": method, "batches": n_batches, "activation_quantizers": len(acts), "imatrix": len(imat)}
+    if kvq:   # issue 22: a pass of its own, after the above: K and V as the served (quantized) model computes them
+        out["kv_cache"] = _calibrate_kv(model, kvq, batches, cfg.kv_calib_method)
+        out["batches"] = max(n_batches, out["kv_cache"]["batches"])
+    return out
+
+
+def _calibrate_kv(model, kvq, batches, method: str) -> Dict[str, Any]:
+    was_training = model.training
+    model.eval()
+    for _, q in kvq:
+        q.start_calibration(method)
+    n = 0
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(**b) if isinstance(b, dict) else model(input_ids=b)
+                n += 1
+    finally:
+        amax = {name: q.finish_calibration() for name, q in kvq}
+        model.train(was_training)
+    missing = sorted(name for name, a in amax.items() if not (a["k_amax"] > 0 and a["v_amax"] > 0))
+    if missing:
+        raise ValueError(f"calibrate: no non-zero K/V reached the KV-cache quantizers of {missing[:8]} over {n} "
+                         f"batch(es); give batches with tokens")
+    return {"format": kvq[0][1].fmt_name, "method": method, "layers": len(kvq), "batches": n, "amax": amax}
 
 
 # ============================================================================= coverage
@@ -975,6 +1032,8 @@ def _hf_tensors(model):
             for cn, c in m.named_modules():
                 if cn:
                     skip.add(id(c))
+        elif isinstance(m, KV.KVCacheQuantizer):   # its amax reaches the exporters as ConvertedModel.kv_cache
+            skip.add(id(m))
     for n, m in model.named_modules():
         if id(m) in skip:
             continue
@@ -1109,7 +1168,7 @@ def convert(model: nn.Module):
     quant = cfg.to_dict()
     quant["resolved"] = resolved
     return ConvertedModel(packed=packed, dense=dense, config=config, quant=quant, input_amax=input_amax,
-                          act_formats=act_formats, fused_groups=groups,
+                          act_formats=act_formats, fused_groups=groups, kv_cache=KV.kv_record(model),
                           coverage={k: v for k, v in rep.totals.items()},
                           recipe={"name": cfg.name} if cfg.name else {},
                           source_dir=src_dir if src_dir and os.path.isdir(str(src_dir)) else None)

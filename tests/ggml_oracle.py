@@ -13,7 +13,7 @@ import pytest
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11,
               "q4_k": 12, "q5_k": 13, "q6_k": 14, "tq1_0": 34, "tq2_0": 35, "mxfp4": 39, "nvfp4": 40}
 # (block elements, bytes per block)
-GGML_SIZES = {"q5_0": (32, 22), "q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210),
+GGML_SIZES = {"q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210),
               "mxfp4": (32, 17), "nvfp4": (64, 36)}
 
 _lib = None
@@ -102,3 +102,41 @@ def dequantize(b: np.ndarray, type_name: str, k: int) -> np.ndarray:
     for i in range(rows.shape[0]):
         fn(rows[i].ctypes.data, out[i].ctypes.data, k)
     return out.reshape(*b.shape[:-1], k)
+
+
+_cpu = None
+
+
+def cpu_lib():
+    """libggml-python's CPU backend (libggml-cpu.so, loaded after libggml-base): the SIMD
+    ``from_float`` quantizers llama.cpp's CPU backend writes with (e.g. its KV cache's set_rows)."""
+    global _cpu
+    if _cpu is None:
+        lib()
+        path = _find_lib().replace("libggml-base.so", "libggml-cpu.so")
+        ctypes.CDLL(_find_lib(), mode=ctypes.RTLD_GLOBAL)   # libggml-cpu resolves its symbols from here
+        _cpu = ctypes.CDLL(path)
+        for f in ("ggml_cpu_has_avx", "ggml_cpu_has_avx2"):
+            getattr(_cpu, f).restype = ctypes.c_int
+    return _cpu
+
+
+def cpu_features() -> dict:
+    L = cpu_lib()
+    return {"avx": bool(L.ggml_cpu_has_avx()), "avx2": bool(L.ggml_cpu_has_avx2())}
+
+
+def quantize_row_cpu(x: np.ndarray, type_name: str) -> np.ndarray:
+    """The CPU backend's quantize_row_<type>(x, y, k) (its from_float) over rows of x [..., k]."""
+    L = cpu_lib()
+    fn = getattr(L, f"quantize_row_{_cname(type_name)}")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    rb = lib().ggml_row_size(GGML_TYPES[type_name], k)
+    out = np.zeros((rows.shape[0], rb), dtype=np.uint8)
+    for i in range(rows.shape[0]):
+        fn(rows[i].ctypes.data, out[i].ctypes.data, k)
+    return out.reshape(*x.shape[:-1], rb)

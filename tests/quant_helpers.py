@@ -6,6 +6,7 @@ names) and the dense tensors; W4A4 activation fake quant is attached with hooks 
 format API directly, using the converted input_amax."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import types
@@ -101,3 +102,65 @@ def rebuild(cm, out_dir: str):
             base = type(mod)._apply_gate
             mod._apply_gate = types.MethodType(lambda self, x, q=qd, base=base: q(base(self, x)), mod)
     return m
+
+
+# ----------------------------------------------------------------------------- KV cache reference
+@contextlib.contextmanager
+def kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
+    """K/V fake quant on a plain transformers model, at another hook point than qatfactory's
+    (nn/kv_cache.py wraps the attention interface): the modeling module's ``apply_rotary_pos_emb`` is
+    wrapped so the K it returns is fake-quantized, and a forward hook fake-quantizes v_proj's output
+    per head. ``scales``: {attention module name: (k_scale, v_scale)} for formats with a per-layer
+    scale. Llama-architecture K goes through llama.cpp's element order, built from transformers'
+    GGUF loader's un-permutation (``gguf_order`` overrides the choice). A context manager: the patch and
+    the hooks are removed on exit."""
+    import sys as _sys
+
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from qatfactory.formats.kv import get_kv_format
+    fmt = get_kv_format(fmt_name)
+    mods = {n: mod for n, mod in m.named_modules() if hasattr(mod, "k_proj") and hasattr(mod, "v_proj")}
+    modeling = _sys.modules[type(next(iter(mods.values()))).__module__]
+    hd = next(iter(mods.values())).head_dim
+    order = None
+    if gguf_order is None:
+        gguf_order = fmt.spec.head_order == "gguf" and m.config.model_type in ("llama", "mistral", "mixtral")
+    if gguf_order:
+        import numpy as _np
+        # GGUF position j holds the element p[j] such that un-permuting [p] gives 0..hd-1
+        inv = LlamaTensorProcessor()._reverse_permute_weights(_np.arange(hd).reshape(hd, 1), 1, 1).reshape(-1)
+        order = torch.from_numpy(_np.argsort(inv))
+    state = {"layer": None}
+    names = list(mods)
+
+    def sc(n, i):
+        return None if scales is None else scales[n][i]
+
+    def fq_k(k, n):
+        if order is None:
+            return fmt.fake_quantize(k, sc(n, 0))
+        return fmt.fake_quantize(k[..., order], sc(n, 0))[..., torch.argsort(order)]
+
+    base_rope = modeling.apply_rotary_pos_emb
+
+    def rope(q, k, *a, **kw):
+        q2, k2 = base_rope(q, k, *a, **kw)
+        return q2, fq_k(k2, state["layer"])
+
+    hooks = []
+    for n, mod in mods.items():
+        hooks.append(mod.register_forward_pre_hook(lambda mod, args, n=n: state.__setitem__("layer", n)))
+
+        def v_hook(lin, args, out, n=n):
+            v = out.reshape(*out.shape[:-1], -1, hd)
+            return fmt.fake_quantize(v, sc(n, 1)).reshape(out.shape)
+        hooks.append(mod.v_proj.register_forward_hook(v_hook))
+    modeling.apply_rotary_pos_emb = rope
+    assert names
+    try:
+        yield m
+    finally:
+        modeling.apply_rotary_pos_emb = base_rope
+        for h in hooks:
+            h.remove()

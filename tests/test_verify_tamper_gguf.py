@@ -263,8 +263,10 @@ def test_opting_out_of_llama_cpp_is_incomplete(tmp_path):
     cm, out = exported(tmp_path, MX)
     v = verify(out, cm, llama_cpp=False)
     assert v.verdict == "INCOMPLETE" and not v.failures
-    assert [(c.tensor, c.check) for c in v.incomplete] == [("logits", "llama.cpp runtime")]
-    assert "opted out" in v.incomplete[0].detail
+    # both llama.cpp rows are not run: its runtime's logits and its tokenizer on the file
+    assert sorted((c.tensor, c.check) for c in v.incomplete) == [
+        ("logits", "llama.cpp runtime"), ("tokenizer", "llama.cpp tokenization == transformers")]
+    assert all("opted out" in c.detail for c in v.incomplete)
 
 
 def test_llama_cpp_that_cannot_run_the_file_is_a_fail(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from qatfactory.formats import ConvertedModel, get_format
 from .common import (act_decode_scale, compare_values, exact_logits_check, f32_bits, fake_quant, inside,
                      max_ulp, model_from_state_dict, module_of, names_sample, nonfinite, run_logits, student_logits,
                      student_mode, student_weights, tied, written_dense)
+from . import kv as KVG  # issue 22
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 from ..gguf_tokenizer import gate_check as tokenizer_gate
 
@@ -272,6 +273,7 @@ def _check_record(res, rec, student, fname, names, mode) -> None:
     bad = [f"{k}={rec.get(k)!r} (student / file: {v!r})" for k, v in want.items() if rec.get(k) != v]
     res.ok_or_fail("qatfactory.json", "record == student", not bad, "; ".join(bad) if bad else
                    f"{names.arch_name}, {mode}")
+    KVG.check_record(res, rec, student, "llama_cpp")   # issue 22: the cache type the student was trained for
 
 
 def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:

@@ -30,6 +30,7 @@ from .common import (EMBED, LM_HEAD, act_decode_scale, compare_hf_config, compar
                      f32_bits, fake_quant, fused_groups, inside, max_ulp, model_from_state_dict, module_of,
                      names_sample, nonfinite, read_json, run_logits, same_bits, student_logits, student_mode,
                      student_weights, tied, written_dense)
+from . import kv as KVG  # issue 22: k/v scales and kv-cache config against the student
 from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
@@ -192,10 +193,12 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
         want_cfg.config = dict(want_cfg.config, tie_word_embeddings=False)
     compare_hf_config(res, {k: v for k, v in cfg.items()}, want_cfg)
     if flavour == "modelopt":
-        _modelopt_config(res, d, qc, mode, exclude)
+        _modelopt_config(res, d, qc, mode, exclude, student)
         scheme = None
     else:
         scheme = _ct_config(res, qc, layout, mode, exclude, student)
+        KVG.check_ct_config(res, qc, student)
+    KVG.check_record(res, rec, student, engine)
     # ---- the tensors
     try:
         sd = load_tensors(d)
@@ -205,7 +208,8 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     except Missing as e:
         res.missing("tensors", "readable", e)
         return
-    want = expected_tensors(student, flavour, layout, mode) | ({LM_HEAD} if untie else set())
+    want = expected_tensors(student, flavour, layout, mode) | ({LM_HEAD} if untie else set()) | \
+        set(KVG.expected_scale_tensors(student, flavour))
     extra, lost = set(sd) - want, want - set(sd)
     res.ok_or_fail("tensors", "none extra", not extra, f"{len(extra)} tensors the student does not have: "
                    + names_sample(extra) if extra else f"{len(sd)} tensors, all expected")
@@ -260,6 +264,7 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
         if got is not None:
             decoded[name] = got
     _fused_scales(res, sd, student, flavour)
+    KVG.check_scale_tensors(res, sd, student, flavour)
     _source_files(res, d, student)
     if flavour == "compressed-tensors":
         _ct_skeleton(res, d, student)
@@ -301,13 +306,15 @@ def _check_record(res, rec, student, layout, mode, exclude, untie: bool = False)
                    f"{mode}, {layout}, {len(exclude)} unquantized linears")
 
 
-def _modelopt_config(res, d, qc, mode, exclude) -> None:
+def _modelopt_config(res, d, qc, mode, exclude, student=None) -> None:
     algo = "NVFP4" if mode == "w4a4" else "W4A16_NVFP4"
     try:
         hq = read_json(d, "hf_quant_config.json")
     except Malformed as e:
         res.add("hf_quant_config.json", "config", FAIL, str(e))
         hq = None
+    if student is not None:
+        KVG.check_modelopt_config(res, qc, hq, student)   # issue 22: kv_cache_quant_algo / kv_cache_scheme
     if hq is not None:
         q = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else {}
         prod = (hq.get("producer") or {}).get("name") if isinstance(hq.get("producer"), dict) else None
@@ -316,8 +323,6 @@ def _modelopt_config(res, d, qc, mode, exclude) -> None:
             bad.append(f"quant_algo={q.get('quant_algo')!r} (student is {mode}: {algo})")
         if q.get("group_size") != 16:
             bad.append(f"group_size={q.get('group_size')!r} (NVFP4: 16)")
-        if q.get("kv_cache_quant_algo") is not None:
-            bad.append(f"kv_cache_quant_algo={q.get('kv_cache_quant_algo')!r} (the student has no KV-cache format)")
         if sorted(q.get("exclude_modules") or []) != exclude:
             bad.append(f"exclude_modules differ from the student's unquantized linears: {names_sample(set(q.get('exclude_modules') or []) ^ set(exclude))}")
         if prod != "modelopt":
@@ -664,7 +669,8 @@ def _logits(res, d, cfg, sd, student, prompt, flavour, layout, decoded) -> None:
     if flavour == "modelopt":
         # no CPU loader for ModelOpt NVFP4 exists; transformers builds the model from the EXPORT's
         # config.json and tensors, the packed ones decoded by nvidia-modelopt
-        sd2 = {k: v for k, v in sd.items() if not k.endswith((".weight_scale", ".weight_scale_2", ".input_scale"))}
+        sd2 = {k: v for k, v in sd.items() if not k.endswith((".weight_scale", ".weight_scale_2", ".input_scale",
+                                                              ".k_scale", ".v_scale"))}
         sd2.update(decoded)
         model = model_from_state_dict(export_cfg, sd2)
         exact_logits_check(res, "transformers (export config + modelopt decode)", ref, run_logits(model, prompt),
@@ -676,7 +682,8 @@ def _logits(res, d, cfg, sd, student, prompt, flavour, layout, decoded) -> None:
         # transformers' fused-expert CT decompression drops weight_global_scale (exporters.md 7.1):
         # rebuild from compressed-tensors' own per-module decode, with the export's config
         sd2 = {k: v for k, v in sd.items() if not k.endswith((".weight_packed", ".weight_scale",
-                                                               ".weight_global_scale", ".input_global_scale"))}
+                                                               ".weight_global_scale", ".input_global_scale",
+                                                               ".k_scale", ".v_scale"))}
         sd2.update(decoded)
         model = model_from_state_dict(export_cfg, sd2)
         src, label = "compressed_tensors decompress + transformers", "compressed_tensors (rebuilt)"

@@ -27,6 +27,10 @@ class ConvertedModel:
     * ``config``: the HF model config as a dict (``config.to_dict()``).
     * ``quant``: the resolved QuantConfig as a dict; ``coverage``: totals from the report.
     * ``source_dir``: the base model directory (tokenizer, generation config, chat template).
+    * ``kv_cache``: {} when the engine's KV cache stays in the model dtype; else ``{"format": a
+      qatfactory.formats.kv name, "strategy": "frozen", "layers": {attention module name:
+      {"k_scale", "v_scale", "k_amax", "v_amax"} (float32 0-d; empty for cache types without a
+      per-tensor scale)}}``: what the student's attention fake-quantized K and V with.
     """
 
     packed: Dict[str, PackedTensor]
@@ -39,6 +43,7 @@ class ConvertedModel:
     coverage: Dict[str, Any] = field(default_factory=dict)
     recipe: Dict[str, Any] = field(default_factory=dict)
     source_dir: Optional[str] = None
+    kv_cache: Dict[str, Any] = field(default_factory=dict)
 
     def formats_used(self) -> List[str]:
         return sorted({p.format for p in self.packed.values()})

@@ -196,6 +196,9 @@ def validate(cfg: RunConfig) -> RunConfig:
                              f"quantized format")
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
+    elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
+        raise ValueError(f"quant.kv_format={cfg.quant.kv_format!r} with format=bf16: the KV-cache emulation is part of a "
+                         f"quantized student (its exports carry the k/v scales); pick a weight format recipe")
     return cfg
 
 

@@ -1,0 +1,49 @@
+"""benchmarks/kv_cache.py --smoke: data, calibration with the KV pass, the three KV arms through the
+trainer, the fp8 arm's export + parity gate, report and plot, end to end on a random tiny model
+(plumbing only: the smoke measures nothing about KV caches). The engine checks need a GPU and must say
+that they did not run."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_kv_cache_benchmark_smoke(tmp_path, one_thread):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kv_cache
+    finally:
+        sys.path.pop(0)
+    assert kv_cache.main(["--smoke", "--seqs", "32", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "kv_cache.json").read_text())
+    assert rep["smoke"] is True
+    arms = {r["kv"]: r for r in rep["results"]}
+    assert sorted(arms) == sorted(kv_cache.ARMS) and all(r["seq"] == 32 and r["steps"] == 2 for r in arms.values())
+    for r in arms.values():
+        for phase in ("ptq", "qad"):
+            assert r[phase]["kl"] > 0 and r[phase]["ppl"] > 1 and r[phase]["tokens"] > 0
+        assert ("quant.kv_format=" + r["kv"] in r["command"]) == (r["kv"] != "none")
+    # the same held-out tokens and calibration: quantizing the cache moves the PTQ student away
+    assert arms["fp8_e4m3"]["ptq"]["kl"] != arms["none"]["ptq"]["kl"]
+    assert arms["nvfp4_kv"]["ptq"]["kl"] > arms["none"]["ptq"]["kl"]
+    assert arms["fp8_e4m3"]["verify"]["verdict"] == "PASS" and "verify" not in arms["none"]
+    ex = json.loads((Path(arms["fp8_e4m3"]["export_dir"]) / "qatfactory.json").read_text())
+    assert ex["kv_cache"]["format"] == "fp8_e4m3" and ex["kv_cache"]["serve_flags"] == "--kv-cache-dtype fp8"
+    if not torch.cuda.is_available():
+        assert rep["engine_checks"]["vllm_op"]["run"] is False and "no CUDA device" in rep["engine_checks"]["vllm_op"]["why"]
+        assert rep["vllm_serve"]["run"] is False
+    md = (tmp_path / "kv_cache.md").read_text()
+    assert md.count("| 32 |") == 3 and "SMOKE" in md and "not run" in md
+    assert (tmp_path / "kv_cache.png").stat().st_size > 1000

@@ -1,0 +1,160 @@
+"""KV-cache exports (exporters/kv.py) and the gate's KV checks (exporters/verify/kv.py).
+
+* every engine/flavour that can carry the student's cache type writes the k/v scales and config keys the
+  engine reads, and the full gate PASSes;
+* the student's forward equals (atol 0) a plain model rebuilt from the export itself: weights from
+  convert's tensors, the KV rule picked from the export's config (kv_cache_quant_algo / cache type in
+  qatfactory.json) and the scales read from the exported safetensors;
+* a tampered scale, config key or record FAILs, and a cache the student never saw is caught;
+* an engine that does not write the student's rule is refused at export time, naming the ones it runs.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quant_helpers import ids, kv_reference, rebuild, tiny
+from tamper_helpers import edit_json, edit_tensors, rows
+from qatfactory.exporters import export, verify
+from qatfactory.exporters.llama_cpp import ARCHS
+from qatfactory.nn.kv_cache import GGUF_PERMUTES_K
+from qatfactory.quantize import QuantConfig, calibrate, convert, prepare, save_student
+
+# the test's own statement of which rule an engine runs for a declared cache: (engine, declared) -> format
+RULE = {("vllm", "FP8"): "fp8_e4m3", ("vllm", "NVFP4"): "nvfp4_kv", ("sglang", "FP8"): "fp8_e4m3_sglang",
+        ("vllm", "ct8"): "fp8_e4m3", ("sglang", "ct8"): "fp8_e4m3_sglang"}
+
+
+def _student(kind="qwen3", preset="nvfp4_w4a16", kv="fp8_e4m3", **size):
+    m = tiny(kind, **size)
+    prepare(m, QuantConfig.preset(preset, kv_format=kv))
+    calibrate(m, [ids(seed=3), ids(seed=4), ids()])   # ids(): the batch the forwards below compare on
+    return m
+
+
+def _logits(m, x):
+    m.eval()
+    with torch.no_grad():
+        return m(input_ids=x).logits
+
+
+CASES = [("vllm", "modelopt", "llama", "nvfp4_w4a4", "fp8_e4m3"),
+         ("vllm", "compressed-tensors", "qwen3_moe", "nvfp4_w4a16", "fp8_e4m3"),
+         ("sglang", "modelopt", "qwen2", "nvfp4_w4a16", "fp8_e4m3_sglang"),
+         ("sglang", "compressed-tensors", "qwen3", "nvfp4_w4a4", "fp8_e4m3_sglang"),
+         ("vllm", "modelopt", "mixtral", "nvfp4_w4a4", "nvfp4_kv")]
+
+
+@pytest.mark.parametrize("engine,flavour,kind,preset,kv", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4]}" for c in CASES])
+def test_safetensors_export_carries_the_kv_cache_and_rebuilds_exactly(tmp_path, engine, flavour, kind, preset, kv):
+    m = _student(kind, preset, kv)
+    x = ids()
+    a = _logits(m, x)
+    cm = convert(m)
+    r = export(cm, tmp_path / "e", engine=engine, flavour=flavour)
+    res = verify(r.path, cm)
+    assert res.verdict == "PASS", res.table()
+    assert ("kv cache", "k/v scales == student") in rows(res, "ok") and ("kv cache", "config == student") in rows(res, "ok")
+    # the engine's view of the export: what the config declares, the scales as stored
+    cfg = json.loads((r.path / "config.json").read_text())["quantization_config"]
+    sd = load_file(str(r.path / "model.safetensors"))
+    if flavour == "modelopt":
+        hq = json.loads((r.path / "hf_quant_config.json").read_text())["quantization"]
+        declared = hq["kv_cache_quant_algo"]
+        assert cfg["kv_cache_quant_algo"] == declared
+        names = ("{}.k_proj.k_scale", "{}.v_proj.v_scale")
+    else:
+        s = cfg["kv_cache_scheme"]
+        assert (s["num_bits"], s["type"], s["strategy"], s["symmetric"], s["dynamic"]) == (8, "float", "tensor", True, False)
+        declared = "ct8"
+        names = ("{}.k_scale", "{}.v_scale")
+    fmt = RULE[(engine, declared)]
+    assert fmt == kv
+    layers = [f"model.layers.{i}.self_attn" for i in range(m.config.num_hidden_layers)]
+    scales = {n: (sd[names[0].format(n)], sd[names[1].format(n)]) for n in layers}
+    for n in layers:
+        assert all(t.dtype == torch.float32 and t.numel() == 1 for t in scales[n])
+    re_ = rebuild(cm, str(tmp_path / "r"))
+    with kv_reference(re_, fmt, {n: (k.reshape(()), v.reshape(())) for n, (k, v) in scales.items()}):
+        torch.testing.assert_close(a, _logits(re_, x), atol=0, rtol=0)
+    assert r.record["kv_cache"]["serve_flags"] == f"--kv-cache-dtype {'fp8' if engine == 'vllm' and kv == 'fp8_e4m3' else 'nvfp4' if kv == 'nvfp4_kv' else 'fp8_e4m3'}"
+
+
+def test_gguf_export_records_the_cache_type_and_its_flags(tmp_path, capsys):
+    m = _student("llama", "q4_k", "q8_0_kv_x86", hidden=256, inter=96)
+    cm = convert(m)
+    save_student(m, str(tmp_path / "s"))
+    from qatfactory.cli_export import main
+    assert main(["export", str(tmp_path / "s"), "--engine", "llama_cpp", "--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: trained for q8_0_kv_x86; serve it with --cache-type-k q8_0 --cache-type-v q8_0 -fa on" in out
+    rec = json.loads((tmp_path / "g" / "qatfactory.json").read_text())["kv_cache"]
+    assert rec["cache_type_k"] == rec["cache_type_v"] == "q8_0" and rec["k_order"].startswith("gguf")
+    res = verify(tmp_path / "g", cm)
+    assert res.verdict == "PASS", res.table()
+    assert ("qatfactory.json", "kv_cache == student") in rows(res, "ok")
+    edit_json(tmp_path / "g" / "qatfactory.json", lambda o: o["kv_cache"].update(cache_type_v="q4_0"))
+    bad = verify(tmp_path / "g", cm, logits=False)
+    assert ("qatfactory.json", "kv_cache == student") in rows(bad, "FAIL")
+
+
+def _modelopt(tmp_path, kv="fp8_e4m3"):
+    cm = convert(_student("qwen3", "nvfp4_w4a16", kv))
+    out = tmp_path / "e"
+    export(cm, out, engine="vllm", flavour="modelopt")
+    return cm, out
+
+
+def test_a_tampered_scale_or_config_key_fails_the_gate(tmp_path):
+    cm, out = _modelopt(tmp_path)
+    k = "model.layers.1.self_attn.k_proj.k_scale"
+
+    def bump(sd):
+        sd[k] = (sd[k].view(torch.int32) + 1).view(torch.float32)
+    edit_tensors(out, bump)
+    assert ("kv cache", "k/v scales == student") in rows(verify(out, cm, logits=False), "FAIL")
+    cm, out = _modelopt(tmp_path / "b")
+    edit_tensors(out, lambda sd: sd.__setitem__(k, sd[k].reshape(1).to(torch.bfloat16)))
+    assert ("kv cache", "k/v scales == student") in rows(verify(out, cm, logits=False), "FAIL")
+    for path, fn in (("hf_quant_config.json", lambda o: o["quantization"].update(kv_cache_quant_algo=None)),
+                     ("hf_quant_config.json", lambda o: o["quantization"].pop("kv_cache_quant_algo")),
+                     ("config.json", lambda o: o["quantization_config"].update(kv_cache_scheme="int8")),
+                     ("qatfactory.json", lambda o: o["kv_cache"].update(format="fp8_e4m3_sglang"))):
+        cm, out = _modelopt(tmp_path / f"c{len(path)}{id(fn)}")
+        edit_json(out / path, fn)
+        res = verify(out, cm, logits=False)
+        assert res.verdict == "FAIL" and {c.tensor for c in res.failures} & {"kv cache", "qatfactory.json"}, res.table()
+
+
+def test_a_kv_cache_the_student_never_saw_is_caught(tmp_path):
+    cm = convert(_student("qwen3", "nvfp4_w4a16", None))
+    out = tmp_path / "e"
+    export(cm, out, engine="vllm", flavour="compressed-tensors")
+    assert verify(out, cm).verdict == "PASS"
+    edit_json(out / "config.json", lambda o: o["quantization_config"].update(
+        kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))
+    edit_tensors(out, lambda sd: sd.update({"model.layers.0.self_attn.k_scale": torch.ones(1),
+                                            "model.layers.0.self_attn.v_scale": torch.ones(1)}))
+    res = verify(out, cm, logits=False)
+    assert ("kv cache", "config == student") in rows(res, "FAIL") and ("tensors", "none extra") in rows(res, "FAIL")
+
+
+@pytest.mark.parametrize("engine,kv,msg", [
+    ("sglang", "fp8_e4m3", "sglang runs \\['fp8_e4m3_sglang'\\]"),
+    ("vllm", "fp8_e4m3_sglang", "vllm runs \\['fp8_e4m3', 'nvfp4_kv'\\]"),
+    ("vllm", "q8_0_kv", "vllm runs"),
+])
+def test_an_engine_that_writes_another_rule_is_refused(tmp_path, engine, kv, msg):
+    cm = convert(_student("qwen3", "nvfp4_w4a16", kv))
+    with pytest.raises(ValueError, match=msg):
+        export(cm, tmp_path / "e", engine=engine)
+    assert not (tmp_path / "e").exists()
+    cm = convert(_student("qwen3", "nvfp4_w4a16", "nvfp4_kv"))
+    with pytest.raises(ValueError, match="only an 8-bit float kv_cache_scheme; use flavour='modelopt'"):
+        export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
+
+
+def test_the_k_order_table_agrees_with_the_gguf_exporter():
+    for mt, permute in GGUF_PERMUTES_K.items():
+        assert ARCHS[mt][1] is permute, mt
