@@ -18,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+import part1_zero3  # noqa: E402
 import pipeline  # noqa: E402
 import staging  # noqa: E402
 from supervise import PipelineError  # noqa: E402
@@ -86,11 +87,11 @@ def test_stash_copies_parts_and_assets_once(tmp_path):
 
 def test_resume_comparison():
     a = {"1": 1.0, "2": 0.9, "3": 0.8, "4": 0.7}
-    r = pipeline.compare_losses(a, {"3": 0.8, "4": 0.7}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8, "4": 0.7}, 2, 4)
     assert r["steps"] == [3, 4] and r["max_abs_diff"] == 0.0 and r["bit_equal"]
-    r = pipeline.compare_losses(a, {"3": 0.8, "4": 0.75}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8, "4": 0.75}, 2, 4)
     assert r["max_abs_diff"] == pytest.approx(0.05) and not r["bit_equal"]
-    r = pipeline.compare_losses(a, {"3": 0.8}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8}, 2, 4)
     assert r["missing_steps"] == [4] and r["max_abs_diff"] is None
 
 
