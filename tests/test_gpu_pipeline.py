@@ -115,6 +115,31 @@ def test_gpu_mode_without_a_gpu_is_refused(tmp_path, capsys):
     assert "--smoke" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- the split modules
+def test_the_run_state_lives_in_supervise_alone():
+    """One clock, one list of children, one report lock: the other modules use supervise's objects and
+    assign none of their own (a second T0 would be a second budget)."""
+    import ast
+    import importlib
+    import supervise
+    shared = {"T0", "_CHILDREN", "_CHILD_LOCK", "REC_LOCK"}
+    for name in ("staging", "launches", "part1_zero3", "part2_smollm2", "pipeline_report", "pipeline"):
+        tree = ast.parse((REPO / "benchmarks" / "gpu" / f"{name}.py").read_text())
+        assigned = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        assert not assigned & shared, (name, assigned & shared)
+        mod = importlib.import_module(name)
+        assert all(getattr(mod, k) is getattr(supervise, k) for k in shared if hasattr(mod, k)), name
+
+
+def test_staging_imports_no_torch():
+    """`pipeline.sh stash` imports staging on the GPU machine before any wheel is installed."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks/gpu'); import staging; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
 # ----------------------------------------------------------------------------- the smoke run
 @pytest.fixture(scope="module")
 def tiny_gguf_assets(tmp_path_factory):
