@@ -18,7 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+import part1_zero3  # noqa: E402
 import pipeline  # noqa: E402
+import staging  # noqa: E402
+from supervise import PipelineError  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- parts and checksums
@@ -30,20 +33,20 @@ def test_parts_found_in_two_places_are_reassembled_and_checked(tmp_path):
     src = tmp_path / "model.gguf"
     src.write_bytes(_blob())
     made = tmp_path / "made"
-    parts = pipeline.split_file(src, made, n=3)
+    parts = staging.split_file(src, made, n=3)
     assert sorted(parts) == ["smollm2.gguf.part-aa", "smollm2.gguf.part-ab", "smollm2.gguf.part-ac"]
     # part-aa was stashed by an earlier call, the others were carried in this one
     carried, stashed = tmp_path / "gpu", tmp_path / "stash"
     carried.mkdir(), stashed.mkdir()
     os.replace(made / "smollm2.gguf.part-aa", stashed / "smollm2.gguf.part-aa")
-    for n in ("smollm2.gguf.part-ab", "smollm2.gguf.part-ac", pipeline.MANIFEST):
+    for n in ("smollm2.gguf.part-ab", "smollm2.gguf.part-ac", staging.MANIFEST):
         os.replace(made / n, carried / n)
     dirs = [carried, stashed]
-    found = pipeline.find_parts(dirs)
+    found = staging.find_parts(dirs)
     assert found["smollm2.gguf.part-aa"].parent == stashed
     want = hashlib.sha256(_blob()).hexdigest()
     dest = tmp_path / "cache" / "model.gguf"
-    r = pipeline.assemble(found, dest, want, pipeline.find_manifest(dirs))
+    r = staging.assemble(found, dest, want, staging.find_manifest(dirs))
     assert dest.read_bytes() == _blob() and r["sha256_ok"] and r["bytes"] == 1000
 
 
@@ -51,23 +54,23 @@ def test_missing_or_corrupt_parts_are_named(tmp_path):
     src = tmp_path / "model.gguf"
     src.write_bytes(_blob())
     d = tmp_path / "gpu"
-    pipeline.split_file(src, d, n=2)
+    staging.split_file(src, d, n=2)
     want = hashlib.sha256(_blob()).hexdigest()
     dest = tmp_path / "out.gguf"
     (d / "smollm2.gguf.part-ab").unlink()
-    with pytest.raises(pipeline.PipelineError, match=r"missing: \['smollm2.gguf.part-ab'\]"):
-        pipeline.assemble(pipeline.find_parts([d]), dest, want, pipeline.find_manifest([d]))
+    with pytest.raises(PipelineError, match=r"missing: \['smollm2.gguf.part-ab'\]"):
+        staging.assemble(staging.find_parts([d]), dest, want, staging.find_manifest([d]))
     # without a manifest the checksum catches it, and nothing is left at the destination
-    with pytest.raises(pipeline.PipelineError, match="sha256 .* != provenance"):
-        pipeline.assemble(pipeline.find_parts([d]), dest, want, None)
+    with pytest.raises(PipelineError, match="sha256 .* != provenance"):
+        staging.assemble(staging.find_parts([d]), dest, want, None)
     assert not dest.exists()
-    pipeline.split_file(src, d, n=2)
+    staging.split_file(src, d, n=2)
     p = d / "smollm2.gguf.part-ab"
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")          # same size, one byte changed
-    with pytest.raises(pipeline.PipelineError, match="a part is missing or corrupt"):
-        pipeline.assemble(pipeline.find_parts([d]), dest, want, pipeline.find_manifest([d]))
-    with pytest.raises(pipeline.PipelineError, match="no smollm2.gguf.part-"):
-        pipeline.assemble({}, dest, want, None)
+    with pytest.raises(PipelineError, match="a part is missing or corrupt"):
+        staging.assemble(staging.find_parts([d]), dest, want, staging.find_manifest([d]))
+    with pytest.raises(PipelineError, match="no smollm2.gguf.part-"):
+        staging.assemble({}, dest, want, None)
 
 
 def test_stash_copies_parts_and_assets_once(tmp_path):
@@ -76,19 +79,19 @@ def test_stash_copies_parts_and_assets_once(tmp_path):
     (gpu / "assets" / "wiki" / "provenance.json").write_text("{}")
     (gpu / "smollm2.gguf.part-aa").write_bytes(b"abc")
     st = tmp_path / "stash"
-    assert sorted(pipeline.stash(gpu, st)) == ["assets/wiki/provenance.json", "smollm2.gguf.part-aa"]
+    assert sorted(staging.stash(gpu, st)) == ["assets/wiki/provenance.json", "smollm2.gguf.part-aa"]
     assert (st / "smollm2.gguf.part-aa").read_bytes() == b"abc"
-    assert pipeline.stash(gpu, st) == []                 # already there
-    assert pipeline.stash(tmp_path / "absent", st) == []
+    assert staging.stash(gpu, st) == []                 # already there
+    assert staging.stash(tmp_path / "absent", st) == []
 
 
 def test_resume_comparison():
     a = {"1": 1.0, "2": 0.9, "3": 0.8, "4": 0.7}
-    r = pipeline.compare_losses(a, {"3": 0.8, "4": 0.7}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8, "4": 0.7}, 2, 4)
     assert r["steps"] == [3, 4] and r["max_abs_diff"] == 0.0 and r["bit_equal"]
-    r = pipeline.compare_losses(a, {"3": 0.8, "4": 0.75}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8, "4": 0.75}, 2, 4)
     assert r["max_abs_diff"] == pytest.approx(0.05) and not r["bit_equal"]
-    r = pipeline.compare_losses(a, {"3": 0.8}, 2, 4)
+    r = part1_zero3.compare_losses(a, {"3": 0.8}, 2, 4)
     assert r["missing_steps"] == [4] and r["max_abs_diff"] is None
 
 
@@ -112,13 +115,38 @@ def test_gpu_mode_without_a_gpu_is_refused(tmp_path, capsys):
     assert "--smoke" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- the split modules
+def test_the_run_state_lives_in_supervise_alone():
+    """One clock, one list of children, one report lock: the other modules use supervise's objects and
+    assign none of their own (a second T0 would be a second budget)."""
+    import ast
+    import importlib
+    import supervise
+    shared = {"T0", "_CHILDREN", "_CHILD_LOCK", "REC_LOCK"}
+    for name in ("staging", "launches", "part1_zero3", "part2_smollm2", "pipeline_report", "pipeline"):
+        tree = ast.parse((REPO / "benchmarks" / "gpu" / f"{name}.py").read_text())
+        assigned = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        assert not assigned & shared, (name, assigned & shared)
+        mod = importlib.import_module(name)
+        assert all(getattr(mod, k) is getattr(supervise, k) for k in shared if hasattr(mod, k)), name
+
+
+def test_staging_imports_no_torch():
+    """`pipeline.sh stash` imports staging on the GPU machine before any wheel is installed."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks/gpu'); import staging; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
 # ----------------------------------------------------------------------------- the smoke run
 @pytest.fixture(scope="module")
 def tiny_gguf_assets(tmp_path_factory):
     """An asset directory laid out like the carried .gpu/: GGUF parts + manifest, provenance records,
     the Wikipedia and GSM8K files (from this machine's asset cache)."""
     from qatfactory import assets
-    real = pipeline.user_cache() / "assets"
+    real = staging.user_cache() / "assets"
     for n, f in (("wiki", "summaries_en-us.json"), ("gsm8k", "test.jsonl")):
         if not (real / n / f).is_file() or not (real / n / "provenance.json").is_file():
             # fetched once from PyPI into the cache (as `make demo` does for wiki): a clean clone in CI
@@ -138,7 +166,7 @@ def tiny_gguf_assets(tmp_path_factory):
     export(cm, root / "gguf", engine="llama_cpp")
     gguf = root / "gguf" / "model.gguf"
     carried = root / "carried"
-    pipeline.split_file(gguf, carried, n=2)
+    staging.split_file(gguf, carried, n=2)
     for n in ("wiki", "gsm8k"):
         (carried / "assets" / n).mkdir(parents=True)
         for f in (real / n).iterdir():
@@ -146,7 +174,7 @@ def tiny_gguf_assets(tmp_path_factory):
                 (carried / "assets" / n / f.name).symlink_to(f)
     (carried / "assets" / "smollm2").mkdir(parents=True)
     prov = {"asset": "smollm2", "package": "test: tiny Llama, Q8_0 GGUF written by qatfactory.exporters",
-            "file_sha256": pipeline.sha256_file(gguf), "member": assets.ASSETS["smollm2"].member}
+            "file_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest(), "member": assets.ASSETS["smollm2"].member}
     (carried / "assets" / "smollm2" / "provenance.json").write_text(json.dumps(prov))
     return carried
 

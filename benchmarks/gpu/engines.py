@@ -84,7 +84,7 @@ def _ns(**kw):
 def prepare_model_and_data(a) -> Dict[str, Any]:
     """SmolLM2 HF dir (from the carried GGUF parts, sha256-checked) and the Wikipedia files."""
     sys.path.insert(0, str(HERE))
-    import pipeline
+    import staging      # here, not at the top: it needs qatfactory, absent from the vllm phase's path
     from transformers import AutoTokenizer
     work = Path(a.work)
     cache = work / "cache"
@@ -99,7 +99,7 @@ def prepare_model_and_data(a) -> Dict[str, Any]:
             tiny_llama(tok, 128, 512).save_pretrained(d)
         model_dir = d
     else:
-        pipeline.setup_assets(_ns(asset_dirs=[REPO / ".gpu", pipeline.STASH_DIR], smoke=False, work=work), cache)
+        staging.setup_assets(_ns(asset_dirs=[REPO / ".gpu", staging.STASH_DIR], smoke=False, work=work), cache)
         os.environ["QATFACTORY_CACHE"] = str(cache)
         from qatfactory import assets
         model_dir = assets.prepare_model_dir("smollm2")

@@ -43,17 +43,17 @@ case $cmd in
 import math, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks/gpu")
-import pipeline
-src = pipeline.user_cache() / "assets" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+import staging
+src = staging.user_cache() / "assets" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 mib = float(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None
 n = math.ceil(src.stat().st_size / (mib * 2**20)) if mib else 2
-for name, p in pipeline.split_file(src, Path(".gpu"), n).items():
+for name, p in staging.split_file(src, Path(".gpu"), n).items():
     print(f"{p}  {p.stat().st_size / 2**20:.1f} MiB")
 EOF
         du -sh .gpu/assets .gpu/smollm2.gguf.part-* ;;
     stash)
-        $PY -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); import pipeline; from pathlib import Path; \
-print('stashed:', pipeline.stash(Path('.gpu'), pipeline.STASH_DIR))"
+        $PY -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); import staging; from pathlib import Path; \
+print('stashed:', staging.stash(Path('.gpu'), staging.STASH_DIR))"
         ls -la /tmp/qf-parts 2>/dev/null ;;
     smoke)
         exec $PY benchmarks/gpu/pipeline.py --smoke "$@" ;;
