@@ -1,0 +1,87 @@
+"""save_student / load_student: a prepared model on disk (safetensors + JSON) and back, never pickle."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .config import QuantConfig
+from .prepare import prepare
+
+QUANT_FILE = "qatfactory_quant.json"
+def _student_state(model) -> Dict[str, torch.Tensor]:
+    """state_dict without tied duplicates (safetensors refuses shared storage)."""
+    sd = model.state_dict()
+    out, seen = {}, {}
+    for k, v in sd.items():
+        key = (v.data_ptr(), v.dtype, tuple(v.shape), v.stride()) if v.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen[key] = k
+        out[k] = v.detach().contiguous().cpu()
+    return out
+def save_student(model: nn.Module, out_dir: str) -> str:
+    """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
+    Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
+    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
+    from safetensors.torch import save_file
+
+    from .. import _fsutil
+    cfg: QuantConfig = getattr(model, "_qf_config", None)
+    if cfg is None:
+        raise ValueError("save_student: the model is not prepared")
+    with _fsutil.atomic_dir(out_dir, replace=True, kinds=("student",), what="save_student") as tmp:
+        tmp = str(tmp)
+        model.config.save_pretrained(tmp)
+        state = _student_state(model)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "producer": "qatfactory"})
+        dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")
+        with open(os.path.join(tmp, QUANT_FILE), "w") as f:
+            json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
+                       "model_class": type(model).__name__}, f, indent=2)
+    return out_dir
+def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Rebuild a saved student: from_config (never remote code), prepare with the saved
+    QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
+    named in the error (exitcodes.CorruptFileError, exit code 4)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .._fsutil import load_safetensors
+    from ..exitcodes import CorruptFileError
+    qpath = os.path.join(path, QUANT_FILE)
+    if not os.path.isfile(qpath):
+        raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")
+    try:
+        with open(qpath) as f:
+            meta = json.load(f)
+        qc = meta["quant_config"]
+        if qc is None and meta.get("plain"):
+            raise FileNotFoundError(f"load_student: {path} holds a plain (unquantized) model from a format=bf16 "
+                                    f"run; load it with transformers' from_pretrained")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"load_student: {qpath} is not a valid record ({type(e).__name__}: {e})") from None
+    cfg = QuantConfig.from_dict(qc)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"load_student: {os.path.join(path, 'config.json')} cannot be read "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    dt = dtype or getattr(torch, meta.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dt)
+    prepare(model, cfg)
+    state = load_safetensors(os.path.join(path, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(_student_tied_keys(model))
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CorruptFileError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
+                               f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
+    return model
+def _student_tied_keys(model) -> List[str]:
+    sd = model.state_dict()
+    kept = set(_student_state(model))
+    return [k for k in sd if k not in kept]
