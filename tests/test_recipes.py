@@ -78,3 +78,16 @@ def test_unknown_option_and_key_are_refused():
         compose(["method=nope"])
     with pytest.raises(Exception, match="not_a_field"):
         compose(["train.not_a_field=1"])
+
+
+def test_quantconfig_presets_are_the_format_recipes():
+    """One source: QuantConfig.preset(name) is the quant section the trainer composes for format=name."""
+    from qatfactory.quantize import presets
+    names = sorted(presets())
+    fmt = sorted(n for g, n in OPTIONS if g == "format" and n != "bf16")
+    assert names == fmt and {"nvfp4_w4a4", "q4_k", "mxfp4_gguf", "paretoq_2bit", "nvfp4_w4a4_kvfp8"} <= set(names)
+    for n in names:
+        assert QuantConfig.preset(n) == compose([f"format={n}"]).quant, n
+    assert QuantConfig.preset("q4_k", quantize_embeddings=False).quantize_embeddings is False
+    with pytest.raises(ValueError, match=r"unknown recipe 'bf16'.*recipes/format"):
+        QuantConfig.preset("bf16")

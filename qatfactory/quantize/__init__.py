@@ -33,7 +33,7 @@ from .config import (  # noqa: F401
     DEFAULT_EXCLUDE,
     NO_ACT,
     POLICY_TARGETS,
-    PRESETS,
+    presets,
     SCALE_STRATEGIES,
     STE_MODES,
     LoRAConfig,

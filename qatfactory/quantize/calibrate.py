@@ -21,6 +21,8 @@ def _act_quantizers(model):
             if q is not None:
                 out.append((name, q))
     return out
+
+
 def _imatrix_hook(acc):
     def hook(mod, args):
         x = args[0].detach()
@@ -28,6 +30,8 @@ def _imatrix_hook(acc):
         acc[0] += (x2 * x2).sum(0)
         acc[1] += x2.shape[0]
     return hook
+
+
 def set_quantization(model: nn.Module, enabled: bool) -> int:
     """Switch the fake quantization of every QuantLinear on or off (off: the plain linear on the latent
     weights, the full-precision phase of ``train.quant_start``). Quantizer state is kept either way.
@@ -42,6 +46,8 @@ def set_quantization(model: nn.Module, enabled: bool) -> int:
         m.quant_enabled = bool(enabled)
         n += 1
     return n
+
+
 def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> Dict[str, Any]:
     """PTQ: block scales from the weights (``max`` | ``mse`` | ``four_over_six``) for frozen /
     learnable strategies, and static activation amax for W4A4 (forward hooks' running max of
@@ -113,6 +119,8 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
         out["kv_cache"] = _calibrate_kv(model, kvq, batches, cfg.kv_calib_method)
         out["batches"] = max(n_batches, out["kv_cache"]["batches"])
     return out
+
+
 def _calibrate_kv(model, kvq, batches, method: str) -> Dict[str, Any]:
     was_training = model.training
     model.eval()

@@ -7,16 +7,27 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .._recipes import format_recipe, format_recipes
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
+
+
 CALIB_METHODS = ("max", "mse", "four_over_six")
+
+
 STE_MODES = ("identity", "clipped")
+
+
 # weight "formats" that are not one registry entry but a per-tensor policy (formats/policy.py)
 POLICY_TARGETS = ("q4_k_m",)
+
+
 # an explicit "leave this module's activations alone" inside a rule
 NO_ACT = ("none",)
+
+
 # Routers must stay bf16 (vLLM's Qwen3-MoE GateLinear expects them unquantized, llama.cpp keeps
 # ffn_gate_inp in F32); these are excluded unless the user replaces the list.
 DEFAULT_EXCLUDE = [
@@ -26,6 +37,8 @@ DEFAULT_EXCLUDE = [
     "*.mlp.router.*",
     "*shared_expert_gate",        # Qwen2-MoE shared-expert gate (a [1, H] linear)
 ]
+
+
 @dataclass
 class ModuleRule:
     """One "first match wins" rule: modules whose name matches ``pattern`` (fnmatch glob, or
@@ -35,6 +48,8 @@ class ModuleRule:
     pattern: str = "*"
     weight: Optional[str] = None
     act: Optional[str] = None
+
+
 @dataclass
 class LoRAConfig:
     """LoRA on the frozen fake-quantized base. rank 0 = off. Training forward uses
@@ -44,6 +59,8 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: List[str] = field(default_factory=lambda: ["*"])
+
+
 @dataclass
 class QuantConfig:
     """What to quantize, to which format, and how scales are found. Plain fields only, so
@@ -184,35 +201,34 @@ class QuantConfig:
     def preset(cls, name: str, **overrides) -> "QuantConfig":
         """The recipe names: nvfp4_w4a16, nvfp4_w4a4, mxfp4_w4a16, mxfp4_w4a4, q4_k (Q4_K_M policy),
         mxfp4_gguf / nvfp4_gguf (llama.cpp's MXFP4 / NVFP4 block types, embeddings Q8_0)."""
-        if name not in PRESETS:
-            raise ValueError(f"QuantConfig.preset: unknown recipe {name!r}; allowed: {sorted(PRESETS)}")
-        d = dict(PRESETS[name])
+        known = presets()
+        if name not in known:
+            raise ValueError(f"QuantConfig.preset: unknown recipe {name!r}; allowed: {sorted(known)} "
+                             f"(recipes/format/*.yaml with a weight format)")
+        d = dict(known[name])
         d.update(overrides)
         d.setdefault("name", name)
         return cls(**d)
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "nvfp4_w4a16": dict(weight_format="nvfp4", act_format=None),
-    "nvfp4_w4a4": dict(weight_format="nvfp4", act_format="nvfp4_act"),
-    "mxfp4_w4a16": dict(weight_format="mxfp4", act_format=None),
-    # activations at serving time are quantized by the engine's own MX rule (FlashInfer/TRT-LLM
-    # and triton_kernels: RCEIL), see formats.md 2.2
-    "mxfp4_w4a4": dict(weight_format="mxfp4", act_format="mxfp4_rceil"),
-    # llama.cpp Q4_K_M: q4_k base, q6_k for output and the use_more_bits attn_v/ffn_down,
-    # q5_0 where rows are not a multiple of 256; token_embd by llama-quantize's rule (formats/policy.py)
-    "q4_k": dict(weight_format="q4_k_m", act_format=None, quantize_lm_head=True, quantize_embeddings=True),
-    # llama.cpp's own FP4 block types in a GGUF, as llama-quantize writes a dense model with every
-    # linear overridden (--tensor-type ...=mxfp4 / nvfp4) over Q8_0: token_embd and output stay Q8_0
-    "mxfp4_gguf": dict(weight_format="mxfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
-                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
-    "nvfp4_gguf": dict(weight_format="nvfp4_ggml", act_format=None, quantize_lm_head=True, quantize_embeddings=True,
-                       rules=[dict(pattern="model.embed_tokens", weight="q8_0"), dict(pattern="lm_head", weight="q8_0")]),
-}
+
+
+def presets() -> Dict[str, Dict[str, Any]]:
+    """The quantized format recipes (recipes/format/*.yaml, the files the trainer composes) by name."""
+    out = {}
+    for name in format_recipes():
+        d = format_recipe(name)
+        if d.get("weight_format") not in (None, "none"):
+            out[name] = d
+    return out
+
+
 # ----------------------------------------------------------------------------- helpers
 def match(pattern: str, name: str) -> bool:
     """fnmatch glob, or ``re:<regex>`` (full match)."""
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     return fnmatch.fnmatchcase(name, pattern)
+
+
 def _check_pattern(fld: str, p) -> None:
     if not isinstance(p, str) or not p:
         raise ValueError(f"{fld}: pattern {p!r} must be a non-empty string (a glob, or 're:<regex>')")
@@ -221,9 +237,13 @@ def _check_pattern(fld: str, p) -> None:
             re.compile(p[3:])
         except re.error as e:
             raise ValueError(f"{fld}: pattern {p!r} is not a valid regex: {e}") from None
+
+
 def _check_choice(fld: str, v, allowed) -> None:
     if v not in allowed:
         raise ValueError(f"{fld}={v!r}; allowed: {list(allowed)}")
+
+
 def _check_weight_format(fld: str, name: str) -> None:
     from ..formats import list_formats
     if name in POLICY_TARGETS:
@@ -237,6 +257,8 @@ def _check_weight_format(fld: str, name: str) -> None:
     if role == "activation":
         raise ValueError(f"{fld}={name!r} is an activation-only format; allowed for weights: "
                          f"{[f for f in fmts if get_format(f).spec.role != 'activation']}")
+
+
 def _check_act_format(fld: str, name: str) -> None:
     from ..formats import get_format, list_formats
     fmts = list_formats()

@@ -53,6 +53,8 @@ def _hf_tensors(model):
                 continue
             out[f"{n}.{bn}" if n else bn] = (b, m, bn)
     return out
+
+
 def disk_layout(model) -> Dict[str, Any]:
     """On-disk HF name -> (in-memory name, expert index or None, row range or None).
 
@@ -94,8 +96,12 @@ def disk_layout(model) -> Dict[str, Any]:
         raise NotImplementedError(f"convert: on-disk tensor {key} {tuple(v.shape)} is not {src} or a row range of "
                                   f"one of its experts; this model's save-time conversion is not supported")
     return layout
+
+
 def _module_of(key: str) -> str:
     return key[:-len(".weight")] if key.endswith(".weight") else key
+
+
 def convert(model: nn.Module):
     """The prepared (trained) model as plain data for the exporters: ``ConvertedModel``.
 
@@ -170,6 +176,8 @@ def convert(model: nn.Module):
                           coverage={k: v for k, v in rep.totals.items()},
                           recipe={"name": cfg.name} if cfg.name else {},
                           source_dir=src_dir if src_dir and os.path.isdir(str(src_dir)) else None)
+
+
 def register_zero3_external_params(model: nn.Module) -> int:
     """Under DeepSpeed ZeRO-3 a module's forward sees only its own gathered parameters; a fused
     group member computing the shared amax reads its peers' weights too, so register them as

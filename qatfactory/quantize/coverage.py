@@ -36,6 +36,8 @@ class CoverageRow:
     bits: float          # storage bits of the whole tensor as shipped
     status: str          # quantized | excluded | kept (a policy's f16) | dense | tied | adapter | quantizer | MISSING
     note: str = ""
+
+
 @dataclass
 class CoverageReport:
     rows: List[CoverageRow]
@@ -63,8 +65,12 @@ class CoverageReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
 def _dtype_bits(t: torch.Tensor) -> int:
     return t.element_size() * 8
+
+
 def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageReport:
     """Every parameter with its format and bits; errors for Linear-like weights left out
     without being excluded (nn.Linear, fused 3-D experts) and for targeted modules not quantized."""

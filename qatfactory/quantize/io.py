@@ -12,6 +12,8 @@ from .config import QuantConfig
 from .prepare import prepare
 
 QUANT_FILE = "qatfactory_quant.json"
+
+
 def _student_state(model) -> Dict[str, torch.Tensor]:
     """state_dict without tied duplicates (safetensors refuses shared storage)."""
     sd = model.state_dict()
@@ -24,6 +26,8 @@ def _student_state(model) -> Dict[str, torch.Tensor]:
             seen[key] = k
         out[k] = v.detach().contiguous().cpu()
     return out
+
+
 def save_student(model: nn.Module, out_dir: str) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
     Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
@@ -44,6 +48,8 @@ def save_student(model: nn.Module, out_dir: str) -> str:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
                        "model_class": type(model).__name__}, f, indent=2)
     return out_dir
+
+
 def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Rebuild a saved student: from_config (never remote code), prepare with the saved
     QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
@@ -81,6 +87,8 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
         raise CorruptFileError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
                                f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
     return model
+
+
 def _student_tied_keys(model) -> List[str]:
     sd = model.state_dict()
     kept = set(_student_state(model))

@@ -24,10 +24,18 @@ from .search import search_scales
 
 # children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
 _QUANT_STATE_TYPES = (WeightQuantizer, LowBitQuantizer, ActQuantizer, LoRA)
+
+
 _QUANT_MODULES = (QuantLinear, QuantExpertsMixin, QuantEmbedding)
+
+
 class CoverageError(ValueError):
     """A Linear-like parameter was left out of quantization without being excluded."""
+
+
 def as_quant_config(cfg) -> QuantConfig:
     """QuantConfig from a QuantConfig, a plain dict, or an OmegaConf/Hydra node."""
     if isinstance(cfg, QuantConfig):
@@ -43,14 +51,20 @@ def as_quant_config(cfg) -> QuantConfig:
         return obj if isinstance(obj, QuantConfig) else QuantConfig.from_dict(obj)
     raise TypeError(f"prepare: cfg must be a QuantConfig (or a dict / OmegaConf node of one), "
                     f"got {type(cfg).__name__}")
+
+
 def _n_layers(config) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
 def _n_experts(config) -> int:
     for k in ("num_experts", "num_local_experts", "n_routed_experts"):
         v = getattr(config, k, None)
         if v:
             return int(v)
     return 0
+
+
 def _lm_head_name(model) -> Optional[str]:
     try:
         out = model.get_output_embeddings()
@@ -62,6 +76,8 @@ def _lm_head_name(model) -> Optional[str]:
         if m is out:
             return n
     return None
+
+
 def _tied_lm_head(model, lm_name) -> bool:
     if lm_name is None:
         return False
@@ -71,10 +87,14 @@ def _tied_lm_head(model, lm_name) -> bool:
         return False
     lm = model.get_submodule(lm_name)
     return emb is not None and getattr(lm, "weight", None) is getattr(emb, "weight", None)
+
+
 def _is_conv1d(m) -> bool:
     """transformers' Conv1D (GPT-2 and relatives): a Linear with a transposed [in, out] weight."""
     return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and \
         getattr(getattr(m, "weight", None), "ndim", 0) == 2
+
+
 def _linear_like(model):
     """(name, module, kind) for every nn.Linear and fused-experts module, in model order."""
     out = []
@@ -93,6 +113,8 @@ def _linear_like(model):
                     out.append((n, m, "unsupported_3d"))
                     break
     return out
+
+
 def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str]:
     """Why a Linear-like module stays in the model dtype (or is not quantized on its own), or None."""
     if name == lm_name:
@@ -106,6 +128,8 @@ def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str
         if match(p, name):
             return f"exclude pattern {p!r}"
     return None
+
+
 def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config, tied: bool = False) -> Optional[str]:
     if fmt in POLICY_TARGETS:
         from ..formats.policy import ggml_policy
@@ -120,6 +144,8 @@ def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config, 
                                       f"format (registered: {list_formats()}); add a rule for this module")
         return t
     return fmt
+
+
 def _embedding_name(model):
     try:
         emb = model.get_input_embeddings()
@@ -129,12 +155,20 @@ def _embedding_name(model):
         if emb is not None and m is emb:
             return n, m
     return None, None
+
+
 def _quant_linears(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+
+
 def _quant_experts(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantExpertsMixin)]
+
+
 def _quant_embeddings(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+
+
 def _sites(model):
     """Every quantized weight: (name, quantizer, w3, amax_for_state) with the shared group amax."""
     out = []
@@ -150,6 +184,8 @@ def _sites(model):
             w = getattr(m, which).detach()
             out.append((f"{name}.{which}", q, w, m.expert_amax(w)))
     return out
+
+
 @torch.no_grad()
 def _init_scale_state(model, method: str) -> None:
     for name, q, w3, amax in _sites(model):
@@ -166,6 +202,8 @@ def _init_scale_state(model, method: str) -> None:
                                  f"QuantConfig.scale_strategy 'frozen' / 'learnable'")
             continue
         q.set_state(amax, search_scales(q.fmt, w3, amax, method))
+
+
 def _is_quant_site(m: nn.Module, pn: str) -> bool:
     return (isinstance(m, (QuantLinear, QuantEmbedding)) and pn == "weight") or \
         (isinstance(m, QuantExpertsMixin) and pn in ("gate_up_proj", "down_proj"))

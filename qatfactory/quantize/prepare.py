@@ -132,11 +132,15 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
                       f"{', '.join(t['not_quantized'][:4])}{' ...' if len(t['not_quantized']) > 4 else ''} "
                       f"(see coverage(model).table())", stacklevel=2)
     return model
+
+
 def _swap(model, name: str, new: nn.Module, old: nn.Module, undo) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, leaf, new)
     undo.append(("linear", parent, leaf, old))
+
+
 def _plan_embedding(model, cfg: QuantConfig, config, tied: bool):
     """(module name, format or None = the policy keeps it in f16) for quantize_embeddings."""
     from ..formats import get_format, list_formats
@@ -157,6 +161,8 @@ def _plan_embedding(model, cfg: QuantConfig, config, tied: bool):
                          f"embeddings in the model dtype); allowed: a rule giving {name!r} one of {ok}, or "
                          f"quantize_embeddings=False")
     return name, w
+
+
 def _undo_prepare(model, undo, grads) -> None:
     for kind, a, b, c in reversed(undo):
         if kind == "linear":
@@ -174,6 +180,8 @@ def _undo_prepare(model, undo, grads) -> None:
         p.requires_grad_(grads.get(id(p), p.requires_grad))
     if "_qf_config" in model.__dict__:
         del model.__dict__["_qf_config"]
+
+
 def _build_groups(model, cfg: QuantConfig) -> None:
     for pname, parent in model.named_modules():
         for sib in FUSED_SIBLINGS:
@@ -192,6 +200,8 @@ def _build_groups(model, cfg: QuantConfig) -> None:
             if cfg.share_fused_scales and needs_share:
                 for m in mods:
                     m._group = list(mods)
+
+
 def _add_lora(model, cfg: QuantConfig) -> None:
     for p in model.parameters():
         p.requires_grad_(False)

@@ -14,6 +14,8 @@ def _ceil_log2(y: torch.Tensor) -> torch.Tensor:
     """Exact ceil(log2 y) for y > 0 from the float bits (torch.log2 rounds near powers of two)."""
     m, e = torch.frexp(y)
     return torch.where(m == 0.5, e - 1, e)
+
+
 @torch.no_grad()
 def search_scales(fmt, w3: torch.Tensor, amax: torch.Tensor, method: str) -> torch.Tensor:
     """Block-scale bytes [G, R, K/block] for w3 [G, R, K] with per-tensor amax [G].

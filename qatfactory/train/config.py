@@ -11,11 +11,10 @@ ranges and choices, with errors naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
 from ..distill.rl import RLConfig  # issue 20 (RL): the schema of method.rl
 from ..nn.scale_adapter import ScaleAdapterConfig  # issue 18 (scale adapters): the schema of method.scale
@@ -200,17 +199,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"quant.kv_format={cfg.quant.kv_format!r} with format=bf16: the KV-cache emulation is part of a "
                          f"quantized student (its exports carry the k/v scales); pick a weight format recipe")
     return cfg
-
-
-def recipes_dir() -> Path:
-    env = os.environ.get("QATFACTORY_RECIPES")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "recipes", here.parents[1] / "recipes"):
-        if cand.is_dir():
-            return cand
-    raise FileNotFoundError("recipes/ not found next to the package; set QATFACTORY_RECIPES to its path")
 
 
 _STORED = False
