@@ -429,6 +429,7 @@ def _dense_plan(t: torch.Tensor, dense_dtype: str, force_f32: bool, heads: Optio
     if dense_dtype not in ("auto", "f32", "f16", "bf16"):
         raise ValueError(f"dense_dtype={dense_dtype!r}; allowed: 'auto', 'f32', 'f16', 'bf16'")
     shape = tuple(t.shape)
+    _exact_cast(t, dense_dtype, force_f32)
 
     def make():
         a = _to_numpy(t, dense_dtype, force_f32)
@@ -444,6 +445,22 @@ def _dense_plan(t: torch.Tensor, dense_dtype: str, force_f32: bool, heads: Optio
         return _Planned(shape, np.float16, None, make)
     import gguf
     return _Planned(shape[:-1] + (shape[-1] * 2,), np.uint8, int(gguf.GGMLQuantizationType.BF16), make)
+
+
+def _exact_cast(t: torch.Tensor, dense_dtype: str, force_f32: bool) -> None:
+    """A dense tensor is written in another dtype only where every value survives the cast: the engine
+    must run the student's values (an f16 GGUF of a bf16 student rounds them and the gate would FAIL it)."""
+    want = torch.float32 if force_f32 or dense_dtype == "f32" else torch.float16 if dense_dtype == "f16" else \
+        torch.bfloat16 if dense_dtype == "bf16" else None
+    if want is None or want == t.dtype or (want == torch.float32 and t.dtype in (torch.bfloat16, torch.float16)):
+        return
+    x = t.detach().cpu()
+    back = x.to(want).to(x.dtype)
+    changed = int((~((back == x) | (back.isnan() & x.isnan()))).sum())
+    if changed:
+        raise ExportError(f"dense_dtype={dense_dtype!r}: {changed} of {x.numel()} values of a {tuple(x.shape)} "
+                          f"{str(x.dtype).replace('torch.', '')} tensor change in the cast, so llama.cpp would not "
+                          f"run what the student trained; use dense_dtype='auto' (the student's own dtype) or 'f32'")
 
 
 def _tensor_order(name: str):

@@ -80,11 +80,13 @@ def test_cli_gguf(student_dir, tmp_path, capsys):
     assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(tmp_path / "x"),
                  "--dense-dtype", "f32", "--verify"]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
-    # f16 cannot hold every bf16 value (tiny ones go subnormal): the gate names the tensors, exit 1
+    # f16 cannot hold every bf16 value (tiny ones go subnormal): the exporter refuses before writing
+    # anything (the gate would FAIL such a file: test_verify_tamper's dense-dtype cases)
     assert main(["export", str(student_dir), "--engine", "llama_cpp", "--out", str(tmp_path / "h"),
-                 "--dense-dtype", "f16", "--verify"]) == FAIL
-    text = capsys.readouterr().out
-    assert "verdict: FAIL" in text and "model.embed_tokens.weight" in text and "F16:" in text
+                 "--dense-dtype", "f16", "--verify"]) == BAD_INPUT
+    err = capsys.readouterr().err
+    assert "dense_dtype='f16'" in err and "change in the cast" in err and "'auto'" in err
+    assert not (tmp_path / "h").exists()
     # no such export / not an export: BAD_INPUT with the reason
     assert main(["verify", str(tmp_path / "nope"), "--against", str(student_dir)]) == BAD_INPUT
     assert "does not exist" in capsys.readouterr().err
