@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The method and paper benchmarks on the H200, as few device calls as the carrying allows (issues 17-22).
+#
+# Here, once: bash benchmarks/gpu/stage.sh pack   (wheels in .whl, SmolLM2 GGUF parts + assets in .gpu)
+# Device calls, back to back (the machine stays warm ~30 s between calls):
+#   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]  bash benchmarks/gpu/methods.sh preflight [JOB...]
+#   2 carry [.gpu/smollm2.gguf.part-aa]                         bash benchmarks/gpu/methods.sh stash [JOB...]
+#   3 carry [.gpu/smollm2.gguf.part-ab]                         bash benchmarks/gpu/methods.sh run JOB...
+#   4...                                                        bash benchmarks/gpu/methods.sh run JOB...
+# JOBs that need no model (step) can ride on calls 1 and 2. PRESET=probe runs every job for a few steps
+# only (errors and per-step times, cheap); PRESET=run (default) the sizes below, chosen to fit one call.
+# Each job runs under its own timeout (T_<JOB>, seconds), so one failure never costs the others; its
+# tables, plots and log are copied into $OUT/<job>/ (students and exports stay under $WORK).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+WORK=${WORK:-/tmp/qf-methods}
+PRESET=${PRESET:-run}
+PY=${PY:-python3}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
+if [ -z "${LOCAL:-}" ]; then
+    # the GPU machine: our stack from the carried wheels, exporters/ importable as qatfactory.exporters
+    [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+cmd=${1:-run}; shift || true
+
+stash() { [ -n "${LOCAL:-}" ] || bash benchmarks/gpu/stage.sh stash >/dev/null; }
+assets() {   # the GGUF reassembled from its parts and the data files, where qatfactory.assets reads them
+    $PY - <<'EOF'
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, "benchmarks/gpu")
+import staging
+info = staging.setup_assets(SimpleNamespace(asset_dirs=[Path(".gpu"), staging.STASH_DIR], smoke=False,
+                                            work="/tmp/qf-methods"), staging.user_cache())
+print({k: v.get("sha256_ok", v.get("status")) for k, v in info.items()})
+EOF
+}
+
+# job -> "timeout-seconds|command" (PRESET=probe: a few steps of the same command)
+args_for() {
+    local j=$1 d=$WORK/$1 p=$PRESET
+    case $j in
+        step)       # issue 17: ours vs plain loops vs Model Optimizer, one model, interleaved (no model files)
+            echo "${T_STEP:-330}|bash benchmarks/gpu/step.sh" ;;
+        scale_qlora)  # issue 18
+            [ $p = probe ] && echo "120|$PY benchmarks/papers/scale_qlora.py --out $d --steps 3 --n-train 96 --n-eval 16 --gen-tokens 32" \
+                           || echo "${T_SCALE_QLORA:-240}|$PY benchmarks/papers/scale_qlora.py --out $d --n-eval 128 --gen-tokens 160" ;;
+        qerl)       # issue 20
+            [ $p = probe ] && echo "150|$PY benchmarks/papers/qerl.py --out $d --steps 2 --level 1 --max-new-tokens 48" \
+                           || echo "${T_QERL:-300}|$PY benchmarks/papers/qerl.py --out $d --steps ${QERL_STEPS:-20} --max-new-tokens 96" ;;
+        kv)         # issue 22 (2K only in one call; 8K is --seqs 8192)
+            [ $p = probe ] && echo "120|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs 2048 --steps 2 --eval-seqs 2" \
+                           || echo "${T_KV:-240}|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs ${KV_SEQS:-2048}" ;;
+        paretoq)    # issue 19: the C1 bit sweep (CE)
+            [ $p = probe ] && echo "120|$PY benchmarks/papers/paretoq_bits.py --out $d --bits 4 --no-pilot --device cuda" \
+                           || echo "${T_PARETOQ:-330}|$PY benchmarks/papers/paretoq_bits.py --out $d --device cuda" ;;
+        papers)     # issue 21: the four findings
+            echo "${T_PAPERS:-540}|env PRESET=$p bash benchmarks/gpu/papers.sh" ;;
+        *) echo "unknown|"; return 1 ;;
+    esac
+}
+
+run_job() {
+    local j=$1 spec; spec=$(args_for "$j") || { echo "[methods] unknown job $j" | tee -a "$OUT/methods.log"; return 2; }
+    local t=${spec%%|*} c=${spec#*|} o=$OUT/$j
+    mkdir -p "$o"
+    echo "[methods] $(date -u +%H:%M:%S) $j (timeout ${t}s, $PRESET): $c" | tee -a "$OUT/methods.log"
+    local t0; t0=$(date +%s)
+    OUT=$o timeout -k 10 "$t" bash -c "$c" > "$o/$j.log" 2>&1
+    local rc=$?
+    echo "[methods] $(date -u +%H:%M:%S) $j rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/methods.log"
+    tail -n 25 "$o/$j.log"
+    # the reports (tables, plots, records), never students or exports
+    if [ -d "$WORK/$j" ]; then
+        (cd "$WORK/$j" && find . -maxdepth 2 -type f \( -name '*.md' -o -name '*.json' -o -name '*.png' -o -name '*.jsonl' \) \
+            -size -2M -print0 | xargs -0 -r cp --parents -t "$o" 2>/dev/null)
+    fi
+    return 0
+}
+
+case $cmd in
+    preflight)
+        stash
+        [ -n "${LOCAL:-}" ] || [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
+        { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+          $PY -c "import torch, transformers, deepspeed, gguf, hydra, compressed_tensors; import modelopt.torch.quantization
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__,
+      'deepspeed', deepspeed.__version__, 'gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?')" 2>&1; } \
+            | tee "$OUT/env.txt"
+        for j in "$@"; do run_job "$j"; done ;;
+    stash)
+        stash; for j in "$@"; do run_job "$j"; done ;;
+    run)
+        stash; assets 2>&1 | tee -a "$OUT/methods.log"
+        for j in "$@"; do run_job "$j"; done ;;
+    *) echo "usage: $0 preflight|stash|run [JOB...]  (jobs: step scale_qlora qerl kv paretoq papers)" >&2; exit 2 ;;
+esac
