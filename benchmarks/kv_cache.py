@@ -62,7 +62,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--kv", default=",".join(ARMS), help=f"comma-separated KV arms from {list(ARMS)}")
     p.add_argument("--format", default="nvfp4_w4a16", help="weight/activation recipe (recipes/format)")
     p.add_argument("--steps", type=int, default=None, help="QAD steps per arm (default 60; smoke 2)")
-    p.add_argument("--micro", type=int, default=None, help="sequences per step (default: 8 at 2K, 2 at 8K)")
+    p.add_argument("--micro", type=int, default=None, help="sequences per step (default: 4 at 2K, 1 at 8K: 60 steps then use ~0.5M of the ~1M packaged training tokens)")
     p.add_argument("--eval-seqs", type=int, default=None, help="held-out sequences (default 12 at 2K, 3 at 8K)")
     p.add_argument("--calib", type=int, default=8, help="calibration sequences")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -81,7 +81,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
 
 
 def _sizes(a, seq: int):
-    micro = a.micro or (2 if a.smoke else 8 if seq <= 2048 else 2)
+    micro = a.micro or (2 if a.smoke else 4 if seq <= 2048 else 1)
     ev = a.eval_seqs or (2 if a.smoke else 12 if seq <= 2048 else 3)
     return micro, ev
 
