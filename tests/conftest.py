@@ -11,3 +11,16 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ggml_oracle.py and other test helpers
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Code run in-process (benchmark mains, the GPU staging helpers) may set os.environ, e.g.
+    QATFACTORY_CACHE: every test gets the environment back as it found it, so none leaks into the next."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
