@@ -47,18 +47,16 @@ VLLM_NOTE = ("vLLM/SGLang themselves have no CPU kernels for FP4 checkpoints: th
 
 # ============================================================================ student facts
 def layout_of(fmt: str) -> Optional[str]:
-    """'nvfp4' / 'mxfp4' when the format's numerics are the ones the safetensors containers hold; 'int4'
-    for a grid whose codes and per-row / per-group scales are compressed-tensors' int4 pack-quantized."""
-    if getattr(get_format(fmt), "compressed_tensors", None) == "pack-quantized":
-        return "int4"
+    """The codec family the student's format declares for the safetensors containers (its spec's
+    ``safetensors`` record: the student's truth, not the exporter's), as the record labels it: 'nvfp4'
+    (E2M1 pairs + E4M3 per 16 + fp32 per-tensor scale), 'mxfp4' (E2M1 pairs + E8M0 per 32), 'int4'
+    (compressed-tensors int4 pack-quantized); None when the format declares no safetensors layout.
+    What each family must look like in the checkpoint is this gate's own knowledge (below), checked
+    with the containers' own libraries."""
     s = get_format(fmt).spec
-    if s.element != "e2m1" or s.nibble_order != "pairs" or s.role == "activation":
+    if s.safetensors is None or s.role == "activation":
         return None
-    if s.block_size == 16 and s.scale_codec == "e4m3" and s.global_scale is not None:
-        return "nvfp4"
-    if s.block_size == 32 and s.scale_codec == "e8m0" and s.global_scale is None:
-        return "mxfp4"
-    return None
+    return s.safetensors.codec.value
 
 
 def unquantized_linears(student: ConvertedModel) -> List[str]:
