@@ -12,7 +12,9 @@ the model) and from llama.cpp's own runtime (llama_cpp_runtime.py).
 The GGML block layouts of the two repacked formats (NVFP4 type 40: 4 UE4M3 bytes + 32 bytes, byte j
 of each 16 = element j | element j+8 << 4; MXFP4 type 39: E8M0 + 16 bytes, element j | j+16 << 4;
 facts from ggml-common.h) are parsed here to compare codes and scale bytes with the student's; that
-parser is a second transcription of the layout, the value checks are gguf-py's and libggml's.
+parser is a second transcription of the layout, the value checks are gguf-py's and libggml's. Which GGUF
+type and codec family a packed tensor must be is what the student's format declares (its spec's ``gguf``
+record, formats/layouts.py): the student's truth, never the exporter's choice.
 """
 from __future__ import annotations
 

@@ -551,7 +551,8 @@ register(MXFP4Format(FormatSpec(
     name="mxfp4_ggml", engine="llama.cpp / ggml GGML_TYPE_MXFP4 quantize_row_mxfp4_ref (ggml 0.20.2)",
     scale_rule=ScaleRule.MX_GGML, tie_rule=TieRule.ARGMIN_FIRST, nibble_order=NibbleOrder.SPLIT_HALVES,
     oracle="libggml-python 0.20.2 (ggml_quantize_chunk / dequantize_row_mxfp4) and gguf 0.19 gguf.quants",
-    gguf=GGUFLayout(GGMLType.MXFP4, file_type=LlamaFileType.MOSTLY_MXFP4_MOE), fallback="F16/BF16: ggml rows must hold whole 32-element blocks, and llama-quantize "
-                           "has no fallback type for MXFP4 (it aborts: 'Unsupported tensor size')",
+    gguf=GGUFLayout(GGMLType.MXFP4, file_type=LlamaFileType.MOSTLY_MXFP4_MOE),   # its own bytes are the blocks
+    fallback="F16/BF16: ggml rows must hold whole 32-element blocks, and llama-quantize "
+             "has no fallback type for MXFP4 (it aborts: 'Unsupported tensor size')",
     notes="17-byte blocks: e8m0 byte, then byte j = c[j] | c[j+16] << 4",
     **_COMMON)))
