@@ -48,8 +48,10 @@ from .base import (ExportError, Exporter, activation_mode, act_decode_scale, che
                    tied_duplicates, write_json, EMBED, LM_HEAD)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
-# why a codec family has no ModelOpt container here (the layout's modelopt_algo is None)
+# why a checkpoint of this codec family gets no ModelOpt container here: the ModelOpt writer holds the
+# E2M1 + E4M3 + fp32-scale codec only, under the quant_algo its layout names
 _NO_MODELOPT = {
+    Codec.E2M1_E4M3_FP32: "its layout declares no ModelOpt quant_algo; use flavour='compressed-tensors'",
     Codec.E2M1_E8M0: "ModelOpt checkpoints have no MXFP4 linear algorithm in vLLM/SGLang (their table holds FP8 "
                      "variants, NVFP4, W4A16_NVFP4, MXFP8); use flavour='compressed-tensors' (mxfp4-pack-quantized) "
                      "instead",
@@ -111,9 +113,9 @@ class SafetensorsExporter(Exporter):
                     f"{self.engine}/{flavour} exporter does not support format {p.format!r} (tensor {name}): an "
                     f"activation format is no weight layout; supported: {SUPPORTED[flavour]}")
             lay = declared_layout(spec, "safetensors", self.engine, name, SUPPORTED[flavour])
-            if flavour == "modelopt" and lay.modelopt_algo is None:
-                raise _format_error(self.engine, flavour, p.format, _NO_MODELOPT.get(
-                    lay.codec, "its layout declares no ModelOpt quant_algo; use flavour='compressed-tensors'"))
+            if flavour == "modelopt" and (lay.modelopt_algo is None or lay.codec is not Codec.E2M1_E4M3_FP32):
+                # the ModelOpt writer below holds the E2M1 + E4M3 + fp32-scale codec, with the algo the spec names
+                raise _format_error(self.engine, flavour, p.format, _NO_MODELOPT[lay.codec])
             layouts.add(lay)
             if lay.codec is Codec.INT4_FP16:
                 if p.codes.dtype != torch.int8 or p.codes.ndim != 2 or p.codes.shape[-1] % 8:
