@@ -57,11 +57,12 @@ def _train(m, cached: bool, steps: int, accum: int, recompute):
         if hasattr(mod, "recompute_fq"):
             mod.recompute_fq = recompute
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    dev = next(m.parameters()).device
     rec = []
     with step_cache.enabled(weights=True) if cached else contextlib.nullcontext():
         for st in range(steps):
             for mb in range(accum):
-                x = ids(seed=10 * st + mb)
+                x = ids(seed=10 * st + mb).to(dev)
                 out = m(input_ids=x, labels=x)
                 (out.loss / accum).backward()
                 rec.append(("loss", st, mb, out.loss.detach()))
@@ -69,7 +70,7 @@ def _train(m, cached: bool, steps: int, accum: int, recompute):
             opt.step()
             opt.zero_grad()
             with torch.no_grad():
-                rec.append(("eval", st, 0, m(input_ids=ids(seed=7)).logits))
+                rec.append(("eval", st, 0, m(input_ids=ids(seed=7).to(dev)).logits))
     return rec
 
 

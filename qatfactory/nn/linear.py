@@ -119,21 +119,37 @@ class QuantLinear(nn.Module):
             s = self.__dict__["_wc_site_obj"] = weight_cache.site(self, "weight", "weight_quant")
         return s
 
+    def _plan(self):
+        """The launch plan, built on the first call: (weight, weight quantizer, input quantizer, whether
+        the training forward takes _QuantLinearFn, whether W's amax is dynamic, the cache site). Checked
+        by identity each call (a replaced weight, quantizer or setting rebuilds it); saves the module
+        attribute lookups and the recompute decision per call."""
+        d = self.__dict__
+        w = self._parameters["weight"]
+        wq = self._modules["weight_quant"]
+        iq = self._modules.get("input_quant")
+        p = d.get("_qf_plan")
+        state = (wq.strategy, self.recompute_fq, self.lora is None, w.dtype, w.device)
+        if p is not None and p[0] is w and p[1] is wq and p[2] is iq and p[6] == state:
+            return p
+        fn = self.lora is None and wq.strategy != "learnable" and self.recompute_in_backward()
+        p = d["_qf_plan"] = (w, wq, iq, fn, wq.strategy == "dynamic", self._wc_site(), state)
+        return p
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled:
             return F.linear(x, self.merged_weight(), self.bias)
-        e = weight_cache.lookup(self._wc_site()) if step_cache.weights_cached() else None
-        train = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if (train and self.lora is None and self.weight_quant.strategy != "learnable"
-                and not (self.input_quant is not None and self.input_quant.calibrating)
-                and self.recompute_in_backward()):
+        w, wq, iq, fn, dynamic, site, _ = self._plan()
+        e = weight_cache.lookup(site) if step_cache.weights_cached() else None
+        if (fn and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+                and not (iq is not None and iq.calibrating)):
             if e is not None:
-                return _QuantLinearFn.apply(x, self.weight, self.bias, self, e.amax, e.wq)
-            amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
-            return _QuantLinearFn.apply(x, self.weight, self.bias, self, amax, None)
+                return _QuantLinearFn.apply(x, w, self.bias, self, e.amax, e.wq)
+            return _QuantLinearFn.apply(x, w, self.bias, self, self.group_amax() if dynamic else None, None)
+        xq = x if iq is None else iq(x)
         if e is not None:
-            return F.linear(self._quant_input(x), weight_cache.training_weight(self._wc_site(), e), self.bias)
-        return F.linear(self._quant_input(x), self.quantized_weight(), self.bias)
+            return F.linear(xq, weight_cache.training_weight(site, e), self.bias)
+        return F.linear(xq, self.quantized_weight(), self.bias)
 
     @torch.no_grad()
     def pack(self, r0: int = 0, r1: Optional[int] = None):
@@ -163,30 +179,35 @@ class _QuantLinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, w, amax, wq)
         ctx.mod = mod
+        ctx.clipped = mod.weight_quant.ste == "clipped"
         return y
 
     @staticmethod
     def backward(ctx, gy):
+        # runs with grad mode off (no double backward): the recomputes below build no graph
         saved = ctx.saved_tensors
         x, w, amax = saved[:3]
         wq = saved[3] if len(saved) > 3 else None
         mod = ctx.mod
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        clipped = mod.weight_quant.ste == "clipped"
-        with torch.no_grad():
-            if wq is None and (need_x or (need_w and not clipped)):
-                wq = mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype)
-            xq = mod._quant_input(x) if need_w else None
+        clipped = ctx.clipped
+        if wq is None and (need_x or (need_w and not clipped)):
+            wq = mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype)
         g2 = gy.reshape(-1, gy.shape[-1])
-        gx = gy.matmul(wq).to(x.dtype) if need_x else None
-        gw = None
+        gx = gw = gb = None
+        if need_x:
+            gx = gy.matmul(wq)
+            if gx.dtype != x.dtype:
+                gx = gx.to(x.dtype)
         if need_w:
+            xq = mod._quant_input(x)
             gq = g2.t().matmul(xq.reshape(-1, xq.shape[-1]))
             if clipped:
                 with torch.enable_grad():
                     wd = w.detach().requires_grad_()
                     (gw,) = torch.autograd.grad(mod.weight_quant(wd.unsqueeze(0), amax)[0].to(w.dtype), wd, gq)
             else:
-                gw = gq.to(w.dtype)
-        gb = g2.sum(0).to(gy.dtype) if need_b else None
+                gw = gq if gq.dtype == w.dtype else gq.to(w.dtype)
+        if need_b:
+            gb = g2.sum(0).to(gy.dtype)
         return gx, gw, gb, None, None, None

@@ -140,13 +140,14 @@ class Site:
     """One kept weight: ``owner._parameters[name]`` ([R, K]; fused experts [E, R, K]) and the
     WeightQuantizer at ``owner.<quant_attr>``. Lives on the owner (``owner._qf_wc``)."""
 
-    __slots__ = ("owner", "name", "quant_attr", "experts", "entry", "_bk", "__weakref__")
+    __slots__ = ("owner", "name", "quant_attr", "experts", "entry", "_bk", "_deps", "__weakref__")
 
     def __init__(self, owner, name: str, quant_attr: str, experts: bool):
         self.owner = weakref.ref(owner)
         self.name, self.quant_attr, self.experts = name, quant_attr, experts
         self.entry: Optional[Entry] = None
         self._bk = None
+        self._deps = None          # (epoch, weight, quantizer, deps): the list rebuilt once per epoch
 
     def param(self) -> torch.Tensor:
         return self.owner()._parameters[self.name]
@@ -182,7 +183,17 @@ class Site:
         return not hasattr(self.param(), "ds_id")          # ZeRO-3: partitioned, gathered per use
 
     def key(self, epoch: int) -> tuple:
-        return (epoch,) + version_key(self.deps())
+        """(epoch, storage and version of every dependency). The dependency list is kept for the epoch
+        (rebuilt at once if the weight Parameter or the quantizer object is replaced)."""
+        d = self._deps
+        o = self.owner()
+        if d is None or d[0] != epoch or d[1] is not o._parameters[self.name] or d[2] is not o._modules[self.quant_attr]:
+            d = self._deps = (epoch, o._parameters[self.name], o._modules[self.quant_attr], self.deps())
+        k = [epoch]
+        for t in d[3]:
+            k.append(t.data_ptr())
+            k.append(t._version)
+        return tuple(k)
 
     def amax_now(self) -> Optional[torch.Tensor]:
         q = self.quant()
@@ -230,7 +241,8 @@ def lookup(s: Site) -> Optional[Entry]:
     if not step_cache.weights_cached() or not s.eligible():
         return None
     epoch = step_cache.current()
-    _USED[id(s)] = weakref.ref(s)
+    if id(s) not in _USED:
+        _USED[id(s)] = weakref.ref(s)
     key = s.key(epoch)
     e = s.entry
     if e is not None and e.key == key:
