@@ -109,11 +109,15 @@ def loss_memory(args) -> int:
     specs = [("naive (full fp32 logits)", naive_lm_loss, LossConfig())]
     # token chunks alone, then token x vocabulary slices (2 passes over the head for forward KL, 3 for
     # reverse KL / JSD); the reverse-KL pair shows the price of the extra pass
-    for c, vc, kind in ((1024, None, "forward_kl"), (4096, None, "forward_kl"), (1024, 16384, "forward_kl"),
-                        (4096, 32768, "forward_kl"), (4096, None, "reverse_kl"), (4096, 32768, "reverse_kl")):
+    # fused: the closed-form gradient of the forward-KL chunks (the default); False: autograd per chunk
+    for c, vc, kind, fused in ((1024, None, "forward_kl", False), (1024, None, "forward_kl", True),
+                               (4096, None, "forward_kl", False), (4096, None, "forward_kl", True),
+                               (1024, 16384, "forward_kl", True), (4096, 32768, "forward_kl", True),
+                               (4096, None, "reverse_kl", True), (4096, 32768, "reverse_kl", True)):
         name = f"chunked, {c // d} tokens" + ("" if vc is None else f" x {vc // d} vocab") + "/chunk"
         name += ", reverse KL" if kind == "reverse_kl" else ""
-        specs.append((name, lm_loss, LossConfig(kind=kind, chunk_tokens=c // d,
+        name += ", autograd per chunk (fused=False)" if not fused else ""
+        specs.append((name, lm_loss, LossConfig(kind=kind, chunk_tokens=c // d, fused=fused,
                                                 vocab_chunk=None if vc is None else vc // d)))
     rows = []
     for name, fn, cfg in specs:
