@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -187,8 +187,9 @@ class Site:
         (rebuilt at once if the weight Parameter or the quantizer object is replaced)."""
         d = self._deps
         o = self.owner()
-        if d is None or d[0] != epoch or d[1] is not o._parameters[self.name] or d[2] is not o._modules[self.quant_attr]:
-            d = self._deps = (epoch, o._parameters[self.name], o._modules[self.quant_attr], self.deps())
+        w, q = o._parameters[self.name], o._modules[self.quant_attr]
+        if d is None or d[0] != epoch or d[1] is not w or d[2] is not q:
+            d = self._deps = (epoch, w, q, self.deps())
         k = [epoch]
         for t in d[3]:
             k.append(t.data_ptr())
