@@ -27,8 +27,8 @@ def _batching():
     weight_cache.set_batching(None)
 
 
-def _model(kind, preset, calib=True, **kw):
-    m = tiny(kind, **Q4K_SIZE) if preset == "q4_k" else tiny(kind)
+def _model(kind, preset, calib=True, model_kw=None, **kw):
+    m = tiny(kind, **(Q4K_SIZE if preset == "q4_k" else {}), **(model_kw or {}))
     prepare(m, QuantConfig.preset(preset, **kw))
     # calibration batches give W4A4 its activation amax and Q4_K its importance matrix (per-tensor
     # fills then); without them a Q4_K model has none and joins the batched fills
