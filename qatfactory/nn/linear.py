@@ -72,8 +72,12 @@ class QuantLinear(nn.Module):
         lead = self._group[0]
         if epoch is None:
             return weight_cache.group_amax_now([m.merged_weight().detach() for m in self._group])
-        deps = [t for m in self._group for t in ((m.weight,) if m.lora is None else (m.weight, *m.lora.parameters()))]
-        key = (epoch,) + weight_cache.version_key(deps)
+        if hasattr(self.weight, "ds_id"):
+            key = (epoch,)      # ZeRO-3: each gather is new storage; the trainer's epochs alone decide
+        else:
+            deps = [t for m in self._group
+                    for t in ((m.weight,) if m.lora is None else (m.weight, *m.lora.parameters()))]
+            key = (epoch,) + weight_cache.version_key(deps)
         hit = getattr(lead, "_amax_cache", None)
         if hit is not None and hit[0] == key:
             return hit[1]
