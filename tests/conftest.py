@@ -17,10 +17,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
-    """Code run in-process (benchmark mains, the GPU staging helpers) may set os.environ, e.g.
-    QATFACTORY_CACHE: every test gets the environment back as it found it, so none leaks into the next."""
-    saved = dict(os.environ)
+    """Code run in-process (benchmark mains, the GPU staging helpers) may set qatfactory's own
+    variables, e.g. QATFACTORY_CACHE: every test gets them back as it found them, so none leaks into
+    the next. (Only QATFACTORY_*: torch.distributed's RANK / LOCAL_RANK ... belong to the process group,
+    which outlives a test.)"""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("QATFACTORY_")}
     yield
-    if dict(os.environ) != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    for k in [k for k in os.environ if k.startswith("QATFACTORY_")]:
+        if k not in saved:
+            del os.environ[k]
+    os.environ.update(saved)

@@ -133,6 +133,9 @@ def _fp4_params(fmt: str) -> Tuple[int, int, int, int]:
     return p
 
 
+_WHY: Dict[tuple, Optional[str]] = {}
+
+
 def why_not(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> Optional[str]:
     """None when fake_quantize(x, fmt, ste, **kw) would take the CUDA path, else the reason."""
     ok, reason = loader.probe()
@@ -140,15 +143,23 @@ def why_not(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> Optional[
         return reason
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return "input is not a CUDA tensor"
-    if x.dtype not in _DT:
-        return f"dtype {x.dtype} (kernels take float32, bfloat16, float16)"
+    # the rest depends on (format, STE, dtype, which keywords are given) alone: decided once per key
+    key = (fmt, ste, x.dtype, tuple(sorted(k for k, v in kw.items() if v is not None)))
+    r = _WHY.get(key, _WHY)
+    if r is _WHY:
+        r = _WHY[key] = _why_not_kernel(*key)
+    return r
+
+
+def _why_not_kernel(fmt: str, ste: str, dtype, extra) -> Optional[str]:
+    if dtype not in _DT:
+        return f"dtype {dtype} (kernels take float32, bfloat16, float16)"
     ggml = _ggml_kernel(fmt) is not None
     if not ggml and _fp4_rule(fmt) is None:
         return f"format {fmt!r} has no kernel (kernels: {kernel_formats()})"
-    extra = {k for k, v in kw.items() if v is not None}
     allowed = {"amax"} if _takes_amax(fmt) else set()
-    if extra - allowed:
-        return f"{fmt}: argument(s) {sorted(extra - allowed)} are handled by the emulator only"
+    if set(extra) - allowed:
+        return f"{fmt}: argument(s) {sorted(set(extra) - allowed)} are handled by the emulator only"
     if ste == "clipped" and ggml:
         return f"{fmt}: clipped STE is computed by the emulator"
     return None
@@ -427,7 +438,8 @@ def _amax_tensor(x: torch.Tensor, fmt: str, amax) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return _absmax_op(x.detach(), 0)
         return _launch_absmax(_aligned(x.detach()), 0)
-    a = torch.as_tensor(amax, dtype=torch.float32)
+    a = amax if isinstance(amax, torch.Tensor) and amax.dtype == torch.float32 else \
+        torch.as_tensor(amax, dtype=torch.float32)
     if a.device.type == "cpu":
         # host values can be checked without a device sync
         if not bool(torch.all(torch.isfinite(a) & (a >= 0))):
@@ -438,7 +450,7 @@ def _amax_tensor(x: torch.Tensor, fmt: str, amax) -> torch.Tensor:
     if a.ndim > len(lead) or tuple(a.shape) != lead[:a.ndim]:
         raise ValueError(f"{fmt}: amax of shape {tuple(a.shape)} does not fit x of shape {tuple(x.shape)}; "
                          f"allowed: a scalar, or a shape that is a prefix of x.shape[:-1] = {lead}")
-    return a.to(x.device).detach()
+    return (a if a.device == x.device else a.to(x.device)).detach()
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> torch.Tensor:

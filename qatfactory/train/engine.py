@@ -485,8 +485,12 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
             # the chunked loss took its gradients in forward: the teacher (and its gathered
             # lm_head under ZeRO-3) is no longer needed for backward
             engine.backward(loss)
+            # the weights change only at the accumulation boundary: the other micro-batches reuse the
+            # step's fake-quantized weights (nn/weight_cache.py; torch optimizers also signal it)
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
-            step_cache.weights_changed()
+            if boundary:
+                step_cache.weights_changed()
             loss_sum += loss.detach().double()      # stays on the device: one host sync per step
         step += 1
         if world > 1:
