@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
     + ["qatfactory.exporters", "qatfactory.exporters.verify"],
     package_dir={"qatfactory.exporters": "exporters"},
-    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh"]},
+    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh", "eval_tasks/*.yaml", "eval_tasks/*.py"]},
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
@@ -36,7 +36,9 @@ setup(
             "deepspeed==0.19.8",
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
+            "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/harness.py)
         ],
+        "eval": ["lm-eval==0.4.13", "accelerate"],
         "cuda": ["cupy-cuda13x"],
     },
     entry_points={"console_scripts": ["qatfactory=qatfactory.cli:main"]},
