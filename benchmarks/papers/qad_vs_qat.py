@@ -44,9 +44,10 @@ def preset(smoke: bool) -> Dict[str, Any]:
         return dict(steps=3, micro=2, seq=32, lr=1e-3, eval_every=2, trainer_eval=2, eval_seq=64, eval_windows=2,
                     limits={"wiki_train": 30_000, "austen_train": 20_000, "wiki_ho": 3_000, "austen_ho": 3_000,
                             "gsm_text": 3_000}, warmup=0)
-    # ~0.6M tokens per arm (150 x 8 x 512): sized for the 10-minute H200 run of benchmarks/gpu/papers.sh
-    return dict(steps=150, micro=8, seq=512, lr=3e-5, eval_every=25, trainer_eval=8, eval_seq=1024, eval_windows=12,
-                limits={"wiki_train": 1_500_000, "austen_train": 1_500_000}, warmup=5)
+    # 0.33M tokens per arm (80 x 8 x 512): sized so that the four scripts, run at once on one H200 by
+    # benchmarks/gpu/papers.sh, fit in a 10-minute device call (--steps raises it when there is time)
+    return dict(steps=80, micro=8, seq=512, lr=5e-5, eval_every=20, trainer_eval=8, eval_seq=1024, eval_windows=12,
+                limits={"wiki_train": 800_000, "austen_train": 800_000}, warmup=5)
 
 
 def arm_overrides(a, p, data, arm, seed, run_dir) -> List[str]:

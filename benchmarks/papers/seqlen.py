@@ -32,9 +32,9 @@ def preset(smoke: bool) -> Dict[str, Any]:
         return dict(steps=3, tokens_per_step=64, seqs=[16, 64], lr=1e-3, eval_seq=128, eval_windows=2,
                     wiki_seq=64, buckets=[0, 16, 64, 127], warmup=0,
                     limits={"austen_train": 40_000, "austen_ho": 5_000, "wiki_ho": 3_000})
-    # 120 steps x 8,192 tokens = 1.0M tokens per arm (the design's 600 steps cut to the 10-minute run)
-    return dict(steps=120, tokens_per_step=8192, seqs=[256, 1024, 4096], lr=3e-5, eval_seq=4096, eval_windows=6,
-                wiki_seq=1024, buckets=[0, 256, 1024, 4095], warmup=5, limits={"austen_train": 5_000_000})
+    # 60 steps x 8,192 tokens = 0.5M tokens per arm (the design's 600 steps cut to the 10-minute run)
+    return dict(steps=60, tokens_per_step=8192, seqs=[256, 1024, 4096], lr=5e-5, eval_seq=4096, eval_windows=6,
+                wiki_seq=1024, buckets=[0, 256, 1024, 4095], warmup=5, limits={"austen_train": 2_500_000})
 
 
 def arm_overrides(a, p, data, seq, seed, run_dir) -> List[str]:
