@@ -227,3 +227,21 @@ def test_bad_input_gets_a_clear_error(setup, tmp_path, capsys):
     assert (busy / "keep.txt").read_text() == "mine"
     from qatfactory.cli import main as cli
     assert cli(["eval", s, "tasks=nope"]) == 3            # the command line reaches the harness
+
+
+def test_packaged_task_data():
+    """The offline tasks' documents: all 1,319 GSM8K test items, the 256 held-out Wikipedia articles the
+    benchmarks hold out, Persuasion in its 24 chapters with nothing of the novel lost but the title lines."""
+    sys.path.insert(0, str(harness.TASK_DIR))
+    import qf_tasks as T
+
+    from qatfactory import assets
+    g = T.gsm8k()["test"]
+    assert len(g) == 1319 and g[0]["answer"].rsplit("#### ", 1)[1].strip().isdigit()
+    assert list(T.wiki_heldout()["test"]["text"]) == assets.wiki_splits(0)["eval"]
+    ch = T.persuasion()["test"]["text"]
+    assert len(ch) == 24 and [c.split("\n")[0] for c in ch] == [f"Chapter {i}" for i in range(1, 25)]
+    full = assets.austen_novels()["persuasion"]
+    assert sum(len(c) for c in ch) > 0.995 * len(full) and ch[-1][-200:] in full
+    with pytest.raises(FileNotFoundError, match="data_files=qf_arc_easy:"):
+        T.user_file(qf_task="qf_arc_easy")

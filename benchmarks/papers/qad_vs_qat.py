@@ -10,7 +10,9 @@ the train split), ``qad_random`` (KL on uniformly random token ids: fresh ids ev
 control: CE on random ids). Same steps, tokens, LR and schedule for every trained arm. Training text: the
 Wikipedia training articles + the five Austen training novels (reproductions.md 3.2, Shakespeare left out).
 Held out: WIKI-HO, AUS-HO (Persuasion) and GSM-TEXT windows, the same for every arm; the curves are the
-trainer's own held-out evaluations (WIKI-HO) every ``eval_every`` steps.
+trainer's own held-out evaluations (WIKI-HO) every ``eval_every`` steps. Every W4A4 run calibrates its static NVFP4
+activation scales on its own first training windows, so the random-token arms calibrate on random tokens (what
+a run without real data would do); PTQ is calibrated on real text.
 
 Paper claims tested (verdict rule in papers_common): QAT's KL to the teacher is above QAD's; QAT's CE is at or
 below QAD's; QAD beats PTQ; QAT on random tokens ends further from the teacher than QAD on random tokens.
