@@ -245,3 +245,27 @@ def test_packaged_task_data():
     assert sum(len(c) for c in ch) > 0.995 * len(full) and ch[-1][-200:] in full
     with pytest.raises(FileNotFoundError, match="data_files=qf_arc_easy:"):
         T.user_file(qf_task="qf_arc_easy")
+
+
+def test_hellaswag_from_a_local_file_equals_a_hand_computation(setup):
+    """HellaSwag rows are turned into lm-eval's query ('label: ctx_a Ctx_b', bracketed tags removed) and
+    endings; the scores are the hand-computed log-likelihoods of the cleaned strings written out here."""
+    d, tok = setup
+    rows = [{"activity_label": "Baking", "ctx_a": "A man mixes flour.", "ctx_b": "then he [title] bakes",
+             "endings": ["bread.", "a car [header] fast.", "the moon.", "it."], "label": "0"},
+            {"activity_label": "Running", "ctx_a": "She ties her shoes.", "ctx_b": "she",
+             "endings": ["runs away.", "sings.", "[step] jumps.", "sleeps."], "label": "2"}]
+    (d / "hs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = _run([d / "student", "tasks=qf_hellaswag", f"data_files=qf_hellaswag:{d / 'hs.jsonl'}",
+                f"out={d / 'o-hs'}", "log_samples=true"])
+    want = {0: ("Baking: A man mixes flour. Then he. bakes", ["bread.", "a car fast.", "the moon.", "it."]),
+            # a tag at the start of an ending leaves its space behind (the same rule as lm-eval's preprocessing)
+            1: ("Running: She ties her shoes. She", ["runs away.", "sings.", " jumps.", "sleeps."])}
+    model = _student(d)
+    acc = []
+    for s in rec["samples"]["qf_hellaswag"]:
+        q, ends = want[s["doc_id"]]
+        ref = [_ll(model, *_pair(tok, q, " " + e))[0] for e in ends]
+        assert [float(x[0][0]) for x in s["resps"]] == pytest.approx(ref, abs=1e-4)
+        acc.append(float(max(range(4), key=lambda k: ref[k]) == int(rows[s["doc_id"]]["label"])))
+    assert rec["results"]["qf_hellaswag"]["acc,none"] == sum(acc) / len(acc)
