@@ -51,18 +51,20 @@ def _outputs(out: Path, stem: str):
 
 def test_qad_vs_qat_smoke(tmp_path, work, one_thread):
     import qad_vs_qat as A
-    assert A.main(["--smoke", "--out", str(tmp_path), "--work", str(work / "a")]) == 0
+    arms = ["qad_real", "qat_random"]          # one of each loss and data kind (the others: the same code)
+    assert A.main(["--smoke", "--arms", ",".join(arms), "--out", str(tmp_path), "--work", str(work / "a")]) == 0
     res, md = _outputs(tmp_path, "qad_vs_qat")
     done = [r for r in res["arms"] if r["status"] == "done"]
-    assert sorted((r["arm"], r["seed"]) for r in done) == sorted((a["name"], s) for a in A.ARMS for s in (0, 1))
+    assert sorted((r["arm"], r["seed"]) for r in done) == sorted((a, s) for a in arms for s in (0, 1))
     for r in done:
         c = r["curves"]                             # CE and KL curves for every arm, QAT included
         assert len(c["step"]) >= 2 and all(math.isfinite(x) for x in c["ce"] + c["kl"])
         assert r["eval"]["wiki_ho"]["kl"] > 0 and set(r["eval"]) == set(A.HELD)
     assert res["teacher"]["wiki_ho"]["kl"] == pytest.approx(0.0, abs=1e-9)
-    # the same seed, data and steps give the same student: arms are reproducible
-    assert [v["seeds"] for v in res["verdicts"]] == [2] * len(res["verdicts"])
-    assert md.count("\n| qa") == 4 and "| ptq |" in md
+    v = {x["claim"]: x for x in res["verdicts"]}
+    assert v["QAD beats PTQ"]["seeds"] == 2 and "diff" in v["QAD beats PTQ"]
+    assert v["QAT drifts from the teacher, QAD stays close"]["verdict"] == "inconclusive"   # qat_real not run
+    assert "| qat_real | not run |" in md and "| ptq |" in md
 
 
 def test_format_modes_smoke(tmp_path, work, one_thread):

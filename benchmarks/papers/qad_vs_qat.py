@@ -70,7 +70,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.base_args(ap)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--arms", default=",".join(x["name"] for x in ARMS), help="a subset of the trained arms")
     a = ap.parse_args(argv)
+    arms = [x for x in ARMS if x["name"] in a.arms.split(",")]
+    bad = sorted(set(a.arms.split(",")) - {x["name"] for x in ARMS})
+    if bad or not arms:
+        ap.error(f"--arms {bad or a.arms!r}: allowed {[x['name'] for x in ARMS]}")
     a.device = C.resolve_device(a)
     p = preset(a.smoke)
     if a.steps:
@@ -112,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         report(a.out, res)
 
     save([])
-    C.run_schedule(ARMS, seeds, budget, one, save, TAG)
+    C.run_schedule(arms, seeds, budget, one, save, TAG)
     print((a.out / f"{TAG}.md").read_text())
     return 1 if C.failures(res.get("arms", [])) else 0
 
