@@ -39,8 +39,6 @@ if [ -n "$SMOKE" ] && [ -x .venv/bin/python ]; then
 else
     PY=python3; T_TOTAL=${T_TOTAL:-560}; THREADS=${THREADS:-4}
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-    # not pip-installed there: exporters/ importable as qatfactory.exporters (a device-local link, as run.sh makes)
-    [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
 fi
 T0=$(date +%s)
 cmd=${1:-run}
@@ -61,6 +59,8 @@ case $cmd in
     run)
         mkdir -p "$OUT/papers" "$WORK"
         if [ -z "$SMOKE" ]; then
+            # not pip-installed there: exporters/ importable as qatfactory.exporters (a device-local link, as run.sh)
+            [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
             bash benchmarks/gpu/stage.sh stash >/dev/null
             [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours || exit 1
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/papers/gpu.txt" 2>&1
