@@ -2,6 +2,7 @@
 
     qatfactory train method=qad format=nvfp4_w4a16 model=smollm2_135m train.max_steps=200
     qatfactory eval --checkpoint runs/<run>/checkpoints/step-000200 [overrides]
+    qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.harness)
     qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
     qatfactory bench [args]                         (benchmarks/step.py)
     qatfactory demo                                 (qatfactory.demo)
@@ -128,8 +129,13 @@ def eval_main(argv: List[str]) -> int:
     checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
     from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
+    # ---- issue 21: lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
+    if argv and not argv[0].startswith("-") and "--checkpoint" not in argv:
+        return _delegate("qatfactory.harness", "eval", argv)
+    # ---- end issue 21
     if not argv or argv[0] in ("-h", "--help") or "--checkpoint" not in argv:
-        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]")
+        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]\n"
+              "       qatfactory eval <student | model dir | GGUF export> tasks=t1,t2 [limit=N] [key=value ...]")
         return 0 if argv and argv[0] in ("-h", "--help") else X.USAGE
     opts = {}
     rest = []
