@@ -4,7 +4,8 @@
     s = ship(converted, "vllm", "modelopt", "out/vllm")     # export, verify, .FAILED on a failing gate
     s.ok, s.path, s.gate["verdict"]
 
-Used by ``qatfactory export`` (and, next, by the end of ``qatfactory train`` and by the demo).
+Used by ``qatfactory export``, the end of ``qatfactory train`` (:func:`train_and_ship`: the trainer
+returns its student, this face ships it; nothing under train/ imports an exporter) and the demo.
 A gate that does not PASS moves the export to ``<out>.FAILED`` with FAILED.json inside (verdict and
 reasons), so nothing serves it by its usual path; an earlier ``.FAILED`` of ours is replaced.
 """
@@ -21,6 +22,7 @@ from . import _fsutil
 from .exporters import export, verify as gate
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
+from .train.engine import run as train_run
 
 
 @dataclass
@@ -122,3 +124,31 @@ def export_lines(summary: Dict[str, Any]) -> List[str]:
         return [f"export: {summary['export_dir']}  parity gate PASS ({v['checks']} checks)"]
     return ([f"export: parity gate {v['verdict']}: the export was moved to {summary['export_dir']} "
              f"(FAILED.json inside); do not serve it. Why:"] + [f"  {r}" for r in v["reasons"]])
+
+
+def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Ship a run's methods.Student as its ``ship`` request says (rank 0; nothing when it has no
+    request); the summary entries. ``run_dir``: its summary.json gets them too (rewritten atomically)."""
+    req = getattr(student, "ship", None)
+    if student is None or req is None or student.converted is None:
+        return {}
+    # force: the target was checked before training (rundir.prepare): empty, or an earlier export of ours
+    s = ship(student.converted, req["engine"], req["flavour"], req["out"], verify=req["verify"], force=True,
+             native_base=student.native_base, training_logits=student.training_logits)
+    out = s.summary()
+    if run_dir is not None and (Path(run_dir) / "summary.json").is_file():
+        p = Path(run_dir) / "summary.json"
+        d = json.loads(p.read_text())
+        d.update(out)
+        _fsutil.write_text_atomic(p, json.dumps(d, indent=1, default=str))
+    for line in export_lines(out):
+        print(line, flush=True)
+    return out
+
+
+def train_and_ship(cfg, eval_only: bool = False) -> Dict[str, Any]:
+    """``qatfactory train`` as a function: train.run (the student), then ship it when cfg.export
+    asks; the run summary with the export's entries (export_dir, verify, verify_ok)."""
+    summary = train_run(cfg, eval_only=eval_only)
+    summary.update(ship_student(summary.get("student"), summary.get("run_dir")))
+    return summary

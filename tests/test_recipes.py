@@ -34,7 +34,7 @@ def test_recipe_composes(group, name):
     if group == "format":
         assert cfg.quant.name == name
     if group == "method":
-        assert cfg.method.name == (name if name != "qad_cached" else "qad")
+        assert cfg.method.name == name          # one recipe per registered method, named as it
 
 
 @pytest.mark.parametrize("over,check", [
@@ -49,6 +49,28 @@ def test_recipe_composes(group, name):
 ])
 def test_documented_combinations(over, check):
     assert check(compose(over))
+
+
+def test_method_recipes_map_one_to_one_to_the_registered_methods():
+    from qatfactory.train.methods import BUILTIN, REGISTRY
+    files = sorted(p.stem for p in (recipes_dir() / "method").glob("*.yaml"))
+    assert files == sorted(m.name for m in BUILTIN)
+    for name in files:
+        assert REGISTRY[name].__module__ == f"qatfactory.train.methods.{name}", name    # one file per method
+    # a method's option block is a field of the schema, of the method's declared type
+    for m in BUILTIN:
+        if m.options_key:
+            assert isinstance(getattr(compose([f"method={m.name}"]).method, m.options_key), m.options), m.name
+
+
+def test_unknown_method_lists_the_registered_ones():
+    from qatfactory.exitcodes import UsageError
+    from qatfactory.train.methods import method_names
+    for over in (["method=sft9"], ["method.name=sft9"]):
+        with pytest.raises(UsageError) as e:
+            compose(over)
+        msg = str(e.value)
+        assert "sft9" in msg and str(method_names()) in msg and "plugins=[" in msg, msg
 
 
 def test_recipe_files_are_the_groups_of_the_schema():

@@ -16,18 +16,18 @@ from typing import Any, Dict, List, Optional
 
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
-from ..distill.rl import RLConfig  # issue 20 (RL): the schema of method.rl
-from ..nn.scale_adapter import ScaleAdapterConfig  # issue 18 (scale adapters): the schema of method.scale
+from ..distill.rl import RLConfig
+from ..nn.scale_adapter import ScaleAdapterConfig
 from ..quantize import QuantConfig
+from . import methods as M
 from .data import DataConfig
+from .methods import NO_QUANT  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
+from .methods import quant_start
 
-METHODS = ("ptq", "qat", "qad", "qad_lora", "grpo", "dapo",   # grpo/dapo: train/rl_loop.py (issue 20)
-           "scale_adapter")                                    # issue 18: train/scale_loop.py
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamw_torch", "adamw_fused")
-NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 MODEL_DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -59,8 +59,9 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """ptq: calibrate and evaluate; qat: CE on the labels; qad: KL to the teacher; qad_lora: qad
-    with LoRA adapters on the frozen fake-quantized base (quant.lora.rank > 0)."""
+    """The settings every method reads (name: a registered method, train/methods/), and the option
+    blocks of the methods that have their own: ``rl`` (grpo, dapo), ``scale`` (scale_adapter),
+    ``options`` (a plugin method's, checked against its own schema)."""
 
     name: str = "qad"
     loss: LossConfig = field(default_factory=LossConfig)
@@ -72,8 +73,9 @@ class MethodConfig:
     calibrate: bool = True
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
-    rl: RLConfig = field(default_factory=RLConfig)   # grpo/dapo only (issue 20; train/rl_loop.py)
-    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter only (issue 18)
+    rl: RLConfig = field(default_factory=RLConfig)   # grpo / dapo (train/rl_loop.py)
+    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter (train/scale_loop.py)
+    options: Dict[str, Any] = field(default_factory=dict)   # a plugin method's options (Method.options)
 
 
 @dataclass
@@ -104,10 +106,10 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = True
-    # -- issue 19 (ParetoQ's full-precision-then-QAT schedule; issue 15 moves it behind the method seam):
-    # the first round(quant_start * max_steps) steps train with quantization off, then the scales are
-    # calibrated from the trained weights, quantization switches on, the optimizer state starts afresh
-    # and the LR schedule restarts over the remaining steps with peak quant_lr (None: lr)
+    # ParetoQ's full-precision-then-QAT schedule, run by the methods that support it (qat, qad;
+    # train/methods/quant_start.py): the first round(quant_start * max_steps) steps train with
+    # quantization off, then the scales are calibrated from the trained weights, quantization switches
+    # on, the optimizer state starts afresh and the LR schedule restarts with peak quant_lr (None: lr)
     quant_start: float = 0.0
     quant_lr: Optional[float] = None
 
@@ -131,6 +133,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     run_dir: Optional[str] = None     # default: runs/<method>-<format>-<time>
     resume: Optional[str] = None      # "auto" (latest in run_dir) or a checkpoint directory
+    plugins: List[str] = field(default_factory=list)   # modules imported first: they register methods
 
 
 def _choice(fld: str, v, allowed):
@@ -141,7 +144,8 @@ def _choice(fld: str, v, allowed):
 def validate(cfg: RunConfig) -> RunConfig:
     """Ranges and choices that the types cannot say; returns cfg."""
     m, t = cfg.method, cfg.train
-    _choice("method.name", m.name, METHODS)
+    M.load_plugins(cfg.plugins)
+    method = M.get_method(m.name)
     _choice("method.teacher", m.teacher, TEACHERS)
     _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.precision", t.precision, PRECISIONS)
@@ -164,18 +168,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"train.betas={list(t.betas)!r}; allowed: two numbers")
     if m.topk < 1:
         raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
-    if m.name in ("qad", "qad_lora") and not m.loss.needs_teacher:
-        raise ValueError(f"method.name={m.name!r} with method.loss.kind='ce'; qad distills from a teacher: "
-                         f"use forward_kl / reverse_kl / jsd, or method=qat for CE")
-    if m.name == "qat" and m.loss.needs_teacher:
-        raise ValueError(f"method.name='qat' trains on CE; method.loss.kind={m.loss.kind!r} needs a teacher "
-                         f"(use method=qad)")
-    if m.name == "qad_lora" and cfg.quant.lora.rank < 1:
-        raise ValueError("method.name='qad_lora' needs quant.lora.rank >= 1 (the LoRA rank)")
-    if m.name in ("grpo", "dapo"):       # issue 20 (RL): its own checks, train/rl_loop.py
-        m.rl.validate()
-    if m.name == "scale_adapter":        # issue 18 (scale adapters): its own checks, train/scale_loop.py
-        m.scale.validate()
+    method.validate(cfg)
     if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
         raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                          f"(model.path=/path/to/hf_dir)")
@@ -184,15 +177,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                          f"(0.9: 90% full precision, then QAT)")
     if t.quant_lr is not None and not t.quant_lr > 0:
         raise ValueError(f"train.quant_lr={t.quant_lr!r}; allowed: a number > 0, or null (= train.lr)")
-    if t.quant_start > 0:
-        why = ("format=bf16 quantizes nothing" if cfg.quant.weight_format in NO_QUANT else
-               "method=ptq does not train" if m.name == "ptq" else
-               "qad_lora trains adapters on a frozen quantized base" if m.name == "qad_lora" else
-               "ZeRO-3 partitions the weights the switch calibrates from (use zero_stage 0-2)"
-               if t.zero_stage == 3 else None)
-        if why:
-            raise ValueError(f"train.quant_start={t.quant_start!r}: {why}; allowed with method qat / qad on a "
-                             f"quantized format")
+    quant_start.check(cfg, method)
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
     elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
@@ -227,6 +212,9 @@ def _override_message(e: BaseException) -> str:
         opts = [ln.strip() for ln in msg.split("Available options", 1)[-1].splitlines()[1:]
                 if ln.startswith("\t") and "provider=" not in ln and ln.strip()]
         group, _, name = m.group(1).rpartition("/")
+        if group == "method":
+            return (f"method={name}: no such method; registered: {M.method_names()} (a method outside the package: "
+                    f"plugins=[your.module] imports the module that registers it)")
         return f"{group}={name}: no such recipe; allowed: {opts}" if opts else head
     if cause is not None and str(cause).strip():
         c = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
@@ -235,6 +223,24 @@ def _override_message(e: BaseException) -> str:
         text = head if detail in head else (detail if head in detail else f"{head}: {detail}")
         return text + (f" (field {key})" if key and key not in text else "")
     return head
+
+
+def _plugin_recipes(overrides: List[str]) -> None:
+    """Import the ``plugins=[...]`` of the command line, then make each registered method without a
+    recipe file selectable as ``method=<name>`` through its Method.recipe (Hydra's ConfigStore)."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    mods: List[str] = []
+    for o in OverridesParser.create().parse_overrides([x for x in overrides if x.lstrip("+~").startswith("plugins=")]):
+        v = o.value()
+        mods += [str(x) for x in (v if isinstance(v, list) else [v])]
+    M.load_plugins(mods)
+    files = {p.stem for p in (recipes_dir() / "method").glob("*.yaml")}
+    cs = ConfigStore.instance()
+    for name, cls in M.REGISTRY.items():
+        if name not in files:
+            cs.store(group="method", name=name, package="_global_",
+                     node=cls.recipe if cls.recipe is not None else {"method": {"name": name}})
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
@@ -251,6 +257,7 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
+        _plugin_recipes(list(overrides or []))
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             node = hcompose(config_name=config_name, overrides=list(overrides or []))
         schema = OmegaConf.structured(RunConfig)
@@ -267,9 +274,3 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
 
 def to_dict(cfg: RunConfig) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-
-def from_dict(d: Dict[str, Any]) -> RunConfig:
-    from omegaconf import OmegaConf
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d))
-    return validate(OmegaConf.to_object(node))
