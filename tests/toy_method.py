@@ -1,0 +1,24 @@
+"""A training method registered from outside the package: plain SFT on the hard labels.
+
+    qatfactory train plugins=[toy_method] method=toy_sft ...    (this directory on PYTHONPATH)
+"""
+import torch.nn.functional as F
+
+from qatfactory.train.methods import Method, register
+
+
+@register
+class ToySFT(Method):
+    name = "toy_sft"
+    recipe = {"method": {"name": "toy_sft", "eval_teacher": False, "loss": {"kind": "ce"}}, "train": {"lr": 1e-3}}
+    calls = 0
+
+    def loss(self, student, input_ids, attn, mask, teacher):
+        self.calls += 1
+        logits = student.lm(input_ids=input_ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        keep = mask[:, 1:] & attn[:, 1:].bool()
+        return F.cross_entropy(logits[keep], input_ids[:, 1:][keep])
+
+    def end(self, ctx):
+        ctx.say(f"toy_sft: {self.calls} loss calls")
+        return False
