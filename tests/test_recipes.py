@@ -113,3 +113,20 @@ def test_quantconfig_presets_are_the_format_recipes():
     assert QuantConfig.preset("q4_k", quantize_embeddings=False).quantize_embeddings is False
     with pytest.raises(ValueError, match=r"unknown recipe 'bf16'.*recipes/format"):
         QuantConfig.preset("bf16")
+
+
+def test_to_overrides_gives_back_the_config():
+    """A RunConfig built as an object (the demo's) has a command line: compose(groups + to_overrides) == it,
+    for paths with spaces and quotes, nulls, booleans, lists and small floats."""
+    from qatfactory.train.config import to_dict, to_overrides, validate
+    groups = ["model=local", "data=files", "format=q4_k", "method=qad_cached", "train=default"]
+    cfg = compose(["format=q4_k", "method=qad_cached", "train=default"])
+    cfg.model.name, cfg.model.path, cfg.model.dtype = "local", "/models/my model's dir", "float32"
+    cfg.data.train, cfg.data.eval, cfg.data.max_docs = ["/d/a b.jsonl", "/d/c,d.txt"], [], None
+    cfg.train.lr, cfg.train.plots, cfg.method.teacher_cache = 3e-05, False, "/tmp/tc=1"
+    cfg.quant.kv_format, cfg.run_dir = None, "runs/x"
+    cfg = validate(cfg)
+    over = to_overrides(cfg, groups)
+    assert "train.lr=3e-05" in over and "train.plots=false" in over and "model.dtype=float32" in over
+    assert not any(o.startswith(("train.zero_stage=", "method.topk=")) for o in over)   # as the recipes say
+    assert to_dict(compose(groups + over)) == to_dict(cfg)

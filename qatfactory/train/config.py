@@ -11,6 +11,7 @@ ranges and choices, with errors naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -274,3 +275,71 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
 
 def to_dict(cfg: RunConfig) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def _recipe_values(groups: List[str]) -> Dict[str, Any]:
+    """The flat {dotted key: value} that recipe picks such as ``format=q4_k`` give (before any
+    key=value; a mandatory value still unset reads as ``???``)."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    _plugin_recipes(list(groups))
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        node = hcompose(config_name="config", overrides=list(groups))
+    return _flat(OmegaConf.to_container(node, resolve=True, throw_on_missing=False))
+
+
+def _flat(d: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: Dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./+:@~-]+")
+
+
+def _value(v: Any) -> str:
+    """``v`` as Hydra's override grammar reads it back (the same type and value)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
+    v = str(v)
+    plain = _PLAIN.fullmatch(v) and v.lower() not in ("null", "true", "false", "nan", "inf", "-inf", "+inf")
+    try:
+        float(v)
+        plain = False
+    except ValueError:
+        pass
+    return v if plain else "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def to_overrides(cfg: RunConfig, groups: List[str]) -> List[str]:
+    """The key=value overrides that, after the recipe picks ``groups``, give ``cfg``:
+    ``compose(groups + to_overrides(cfg, groups))`` is cfg again (the command line of a run built
+    as an object, e.g. the demo's)."""
+    base, now = _recipe_values(groups), _flat(to_dict(cfg))
+    out = []
+    for k, v in now.items():
+        if k in base and base[k] == v and type(base[k]) is type(v):
+            continue
+        out.append(f"{'' if k in base else '+'}{k}={_value(v)}")
+    return out
+
+
+def from_dict(d: Dict[str, Any]) -> RunConfig:
+    from omegaconf import OmegaConf
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d))
+    return validate(OmegaConf.to_object(node))
