@@ -351,7 +351,8 @@ def train_config(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], 
     tr.eval_samples = min(s.micro_batch, s.eval_samples)
     # the rate as the reproduce command prints it (6 significant digits), so the command gives this run
     tr.max_steps, tr.lr, tr.schedule, tr.warmup_steps = s.steps, float(f"{s.lr * t.lr_scale:g}"), "constant", 0
-    tr.micro_batch, tr.grad_accum, tr.precision, tr.device = s.micro_batch, 1, "bf16" if dt == "bfloat16" else "fp32", device
+    tr.micro_batch, tr.grad_accum, tr.device = s.micro_batch, 1, device
+    tr.precision = "bf16" if dt == "bfloat16" else "fp32"
     tr.eval_every, tr.save_every, tr.save_final, tr.save_student, tr.tensorboard = 0, 0, False, True, False
     tr.seed = s.seed
     cfg.method.calib_samples = s.calib_samples

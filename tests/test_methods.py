@@ -74,10 +74,10 @@ def test_a_plugin_method_trains_saves_and_ships_through_the_cli(toy_run, text, t
 
 def test_an_unknown_or_unimported_method_names_the_registered_ones(tmp_path, capsys):
     from qatfactory import cli
-    assert "toy_method" not in sys.modules                # imported only by a command line naming it
-    assert cli.main(["train", "method=toy_sft", f"run_dir={tmp_path / 'x'}"]) == 3
+    # a method whose module nobody imported (no plugins=) is unknown, like a misspelt one
+    assert cli.main(["train", "method=sft_nobody_imported", f"run_dir={tmp_path / 'x'}"]) == 3
     line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qatfactory train")]
-    assert len(line) == 1 and "method=toy_sft: no such method; registered: ['ptq', 'qat', 'qad'" in line[0]
+    assert len(line) == 1 and "method=sft_nobody_imported: no such method; registered: ['ptq', 'qat', 'qad'" in line[0]
     assert "plugins=[your.module]" in line[0]
     assert cli.main(["train", "plugins=[no_such_module_here]", "method=qat", f"run_dir={tmp_path / 'y'}"]) == 3
     assert "plugins: cannot import 'no_such_module_here'" in capsys.readouterr().err
@@ -106,3 +106,18 @@ def test_register_refuses_what_is_not_a_method_and_a_taken_name():
         name = "qad"
     with pytest.raises(ValueError, match="already registered by qatfactory.train.methods.qad.QAD"):
         register(Other)
+
+
+def test_a_plugin_methods_options_are_checked_against_its_schema():
+    from qatfactory.exitcodes import UsageError
+    from qatfactory.train.config import compose
+    import toy_method  # noqa: F401  (registers toy_sft in this process)
+    cfg = compose(["plugins=[toy_method]", "method=toy_sft", "+method.options.label_smoothing=0.1"])
+    from qatfactory.train.methods import get_method
+    assert get_method("toy_sft").opts(cfg).label_smoothing == 0.1
+    with pytest.raises(UsageError, match=r"method.options \(method=toy_sft\): .*nope"):
+        compose(["plugins=[toy_method]", "method=toy_sft", "+method.options.nope=1"])
+    with pytest.raises(UsageError, match=r"method.options \(method=toy_sft\): .*label_smoothing"):
+        compose(["plugins=[toy_method]", "method=toy_sft", "+method.options.label_smoothing=much"])
+    with pytest.raises(UsageError, match=r"method=qat takes no free options"):
+        compose(["method=qat", "+method.options.x=1"])

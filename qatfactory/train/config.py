@@ -263,6 +263,7 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
             node = hcompose(config_name=config_name, overrides=list(overrides or []))
         schema = OmegaConf.structured(RunConfig)
         OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
+        OmegaConf.set_struct(schema.method.options, False)   # a plugin's options: checked by its own schema
         node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
         return validate(OmegaConf.to_object(node))
     except (HydraException, OmegaConfBaseException) as e:

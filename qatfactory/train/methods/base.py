@@ -136,6 +136,11 @@ class Method:
             raise ValueError(f"method={m.name} trains a quantized student; format=bf16 quantizes nothing")
         if cfg.export.enabled and not quantized(cfg) and not self.needs.native_base:
             raise ValueError("export.enabled with format=bf16: nothing is quantized; pick a format recipe")
+        if m.options and (self.options is None or self.options_key):
+            raise ValueError(f"method.options={dict(m.options)!r}: method={m.name} takes no free options"
+                             + (f" (its own are method.{self.options_key}.*)" if self.options_key else ""))
+        if self.options is not None and not self.options_key:
+            self.opts(cfg)           # the plugin's schema: an unknown key or a wrong type is named here
 
     def opts(self, cfg):
         """This method's typed options (``options``), from cfg.method.<options_key> or method.options."""
@@ -144,8 +149,14 @@ class Method:
         if self.options_key:
             return getattr(cfg.method, self.options_key)
         from omegaconf import OmegaConf
-        node = OmegaConf.merge(OmegaConf.structured(self.options), OmegaConf.create(dict(cfg.method.options or {})))
-        return OmegaConf.to_object(node)
+        from omegaconf.errors import OmegaConfBaseException
+        try:
+            node = OmegaConf.merge(OmegaConf.structured(self.options), OmegaConf.create(dict(cfg.method.options or {})))
+            return OmegaConf.to_object(node)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None)
+            raise ValueError(f"method.options (method={cfg.method.name}): {str(e).splitlines()[0]}"
+                             + (f" (field method.options.{key})" if key else "")) from None
 
     def teacher(self, cfg) -> Optional[str]:
         """Which teacher the loop loads ("live" | "cached" | None): the one the loss trains from, or
