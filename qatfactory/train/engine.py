@@ -46,8 +46,8 @@ from ..nn import step_cache
 from . import checkpoint as ckpt
 from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
-from .methods import Context, Method, Student, get_method
 from .data import Order, load_data, load_tokenizer, rank_batch
+from .methods import Context, Method, Student, get_method
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
