@@ -1,6 +1,7 @@
 """The ``qatfactory`` command.
 
     qatfactory train method=qad format=nvfp4_w4a16 model=smollm2_135m train.max_steps=200
+    qatfactory train plugins=[my.methods] method=my_sft ...   (a method registered outside the package)
     qatfactory eval --checkpoint runs/<run>/checkpoints/step-000200 [overrides]
     qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.harness)
     qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
@@ -96,8 +97,9 @@ def train_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
-        from .train.engine import run
-        s = run(cfg)
+        # the trainer returns its student; this face ships it (export + the parity gate)
+        from .ship import train_and_ship
+        s = train_and_ship(cfg)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
             raise
@@ -183,6 +185,15 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
     d = ckpt.read_state(path)["config"]
+    # plugins are code: imported only when this command line names them, never because a file says so
+    saved = list(d.get("plugins") or [])
+    given = [a for a in rest if a.split("=", 1)[0].lstrip("+") == "plugins"]
+    if saved and not given:
+        raise UsageError(f"qatfactory eval: {path} was trained with plugins={saved} (modules that register its "
+                         f"method); they run code, so they are imported only when you name them: add "
+                         f"plugins=[{','.join(saved)}]")
+    if not given:
+        d["plugins"] = []
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))
