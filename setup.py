@@ -31,6 +31,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "ruff==0.17.6",   # make test: pyflakes rules over the package (ruff.toml)
             "ml_dtypes>=0.5",
             "torchao==0.18.0",
             "deepspeed==0.19.8",

@@ -256,13 +256,11 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
         return
     cache: Dict[str, Any] = {}
     try:
-        ref = _transformers_logits(res, d, path, reader, student, names, prompt, decoded, tolerated, cache)
+        _transformers_logits(res, d, path, reader, student, names, prompt, decoded, tolerated, cache)
     except Missing as e:
         res.missing("logits", "transformers GGUF", e)
-        ref = None
     except Exception as e:
         res.add("logits", "transformers GGUF", FAIL, f"the loader failed: {type(e).__name__}: {str(e)[:300]}")
-        ref = None
     if not llama_cpp:
         res.opted_out("logits", "llama.cpp runtime", "llama_cpp=False")
         return
