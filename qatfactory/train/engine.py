@@ -554,8 +554,9 @@ def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, sour
               export_dir: Optional[str] = None) -> Dict[str, Any]:
     """Save the student (quantize.save_student: weights + quantizer state) and, when export.enabled,
     convert() it and hand it to the exporter, then verify the export. Rank 0 does the writing;
-    under ZeRO-3 every rank joins the gather of the full weights first. A gate that does not PASS
-    moves the export to ``<dir>.FAILED`` with a FAILED.json inside (``summary["verify"]`` says why)."""
+    under ZeRO-3 every rank joins the gathers first, one layer at a time into a CPU copy on rank 0
+    (stream_export.py; ``summary["gather"]``). A gate that does not PASS moves the export to
+    ``<dir>.FAILED`` with a FAILED.json inside (``summary["verify"]`` says why)."""
     out: Dict[str, Any] = {}
     quantized = cfg.quant.weight_format not in NO_QUANT
     if cfg.export.enabled and not quantized:
@@ -563,21 +564,22 @@ def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, sour
     if not (cfg.train.save_student or cfg.export.enabled):
         return out
     import contextlib
-    params = [p for p in student.parameters() if hasattr(p, "ds_id")]
-    ctx = contextlib.nullcontext()
-    if params:
-        import deepspeed
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    with ctx:
+    lm = student.lm
+    if any(hasattr(p, "ds_id") for p in student.parameters()):
+        # ZeRO-3: gathered one layer at a time into a CPU copy on rank 0, never the whole model
+        # on a GPU (issue 23, stream_export.py); every rank joins each gather
+        from .stream_export import cpu_student
+        lm, out["gather"] = cpu_student(student.lm, rank)
+    with contextlib.nullcontext():
         if rank == 0:
             sdir = run_dir / "student"
             if quantized:
                 from .. import quantize as Q
-                Q.save_student(student.lm, str(sdir))
+                Q.save_student(lm, str(sdir))
             elif cfg.train.save_student:
                 from .. import _fsutil
                 with _fsutil.atomic_dir(sdir, replace=True, kinds=("student",), what="save_student") as tmp:
-                    student.lm.save_pretrained(str(tmp))   # a plain HF model
+                    lm.save_pretrained(str(tmp))   # a plain HF model
                     (tmp / _fsutil.STUDENT_RECORD).write_text(json.dumps({"quant_config": None, "plain": True}))
             out["student_dir"] = str(sdir)
             if cfg.export.enabled:
@@ -586,7 +588,7 @@ def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, sour
                     from ..exporters import export, verify
                 except ImportError as e:
                     raise ImportError(f"export.enabled but qatfactory.exporters is not available ({e})") from None
-                converted = Q.convert(student.lm)
+                converted = Q.convert(lm)
                 if source_dir and converted.source_dir is None:
                     converted.source_dir = source_dir
                 edir = Path(export_dir or cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
