@@ -121,13 +121,14 @@ def _safe_classes():
     return out
 
 
-def safe_torch_load(path, map_location=None):
+def safe_torch_load(path, map_location=None, mmap: bool = False):
     """torch.load with weights_only=True and only DeepSpeed's own state classes allowed; a file that
-    would import anything else is refused (UnsafeFileError, exit code 4) without running it."""
+    would import anything else is refused (UnsafeFileError, exit code 4) without running it.
+    ``mmap``: tensors stay in the file until read (a reshard reads every rank's file at once)."""
     p = str(path)
     try:
         with torch.serialization.safe_globals(_safe_classes()):
-            return torch.load(p, map_location=map_location, weights_only=True)
+            return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
         import pickle
         if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower() or \
@@ -304,17 +305,31 @@ def save(engine, run_dir, step: int, state: Dict[str, Any], keep_last: int, rank
 
 
 def load(engine, ckpt: Path, rank: int) -> Dict[str, Any]:
-    """Restore engine (module, optimizer, scheduler) and this rank's RNG; returns trainer_state."""
+    """Restore engine (module, optimizer, scheduler) and this rank's RNG; returns trainer_state.
+
+    A checkpoint of another world size (issue 23): ZeRO-1/2/3 state is gathered once and
+    re-partitioned (reshard.py); ZeRO-0 state is not partitioned and loads as it is. Rank r takes
+    the RNG state of rank r mod N (every rank is seeded alike at the start of a run)."""
     ckpt = Path(ckpt)
     why = incomplete(ckpt)
     if why is not None:
         raise CorruptFileError(f"checkpoint {ckpt} is incomplete: {why}")
     state = read_state(ckpt)
+    saved_world = int(state.get("world_size", 1))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     make_safe(engine)
-    path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_module_strict=True,
-                                     load_optimizer_states=engine.optimizer is not None,
-                                     load_lr_scheduler_states=engine.lr_scheduler is not None)
-    if path is None:
-        raise CorruptFileError(f"DeepSpeed found no checkpoint under {ckpt}/{DS_TAG}")
-    load_rng(rng_file(ckpt, rank))
+    if saved_world != world and engine.optimizer is not None and int(engine.zero_optimization_stage()) > 0:
+        from . import reshard
+        gdir = reshard.prepare(ckpt, rank)
+        reshard.load(engine, gdir, rank, world)
+        if rank == 0:
+            _say(f"resharded {ckpt.name} from {saved_world} to {world} rank(s) (ZeRO-"
+                 f"{int(engine.zero_optimization_stage())}, {gdir})")
+    else:
+        path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_module_strict=True,
+                                         load_optimizer_states=engine.optimizer is not None,
+                                         load_lr_scheduler_states=engine.lr_scheduler is not None)
+        if path is None:
+            raise CorruptFileError(f"DeepSpeed found no checkpoint under {ckpt}/{DS_TAG}")
+    load_rng(rng_file(ckpt, rank % saved_world))
     return state

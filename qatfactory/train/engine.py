@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +49,7 @@ from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
+from .stream_export import cpu_student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -559,13 +561,16 @@ def _hand_over(ctx: Context, method: Method, student: StudentLM, export_dir: Opt
     out = Student(model=ctx.model)
     if not (cfg.train.save_student or cfg.export.enabled):
         return out
-    params = [p for p in student.parameters() if hasattr(p, "ds_id")]
-    gather = contextlib.nullcontext()
-    if params:
-        import deepspeed
-        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    with gather:
+    if any(hasattr(p, "ds_id") for p in student.parameters()):
+        # ZeRO-3: gathered one layer at a time into a CPU copy on rank 0, never the whole model on a
+        # GPU (issue 23, stream_export.py); every rank joins each gather
+        lm, gathered = cpu_student(student.lm, ctx.rank)
         if ctx.rank == 0:
-            out = method.export(ctx).request(cfg, ctx.run_dir, export_dir)
+            out = method.export(dataclasses.replace(ctx, model=lm)).request(cfg, ctx.run_dir, export_dir)
+            out.gather = gathered
+        _barrier()
+        return out
+    if ctx.rank == 0:
+        out = method.export(ctx).request(cfg, ctx.run_dir, export_dir)
     _barrier()
     return out

@@ -5,8 +5,9 @@
   ``resume``; an unnamed run (no ``run_dir=``) takes a fresh name instead. Anything else that is
   not empty is refused: a run never writes over somebody else's files.
 * ``resume`` must be the same run: a checkpoint trained with other numerics (format, activation
-  format, scale strategy, model, method, loss, optimizer, batch, world size...) is refused naming
-  the field; other data or another seed go on with a warning. ``config.yaml`` keeps the original
+  format, scale strategy, model, method, loss, optimizer, batch...) is refused naming the field;
+  other data or another seed go on with a warning. Another number of ranks is allowed when the
+  global batch (micro_batch x grad_accum x ranks) stays the same (issue 23; reshard.py). ``config.yaml`` keeps the original
   run's settings; a resume that changes anything writes ``config.resume-step-N.yaml`` beside it.
 * The export directory is checked before training starts (only an empty directory or an earlier
   export of ours is replaced), so a run never fails on it, or deletes a user directory, at the end.
@@ -105,7 +106,7 @@ def check_resume(saved: Dict[str, Any], cfg: RunConfig, world: int, where: str, 
     refused, warned = compare(saved.get("config") or {}, to_dict(cfg))
     sw = saved.get("world_size", world)
     if same_world and isinstance(sw, int) and sw != world:
-        refused.append(f"world_size: {sw} -> {world} (ranks)")
+        refused = _world_change(saved.get("config") or {}, cfg, sw, world, refused, where)
     if refused:
         raise ResumeMismatchError(
             f"resume from {where}: the checkpoint was trained with other settings: " + "; ".join(refused[:6])
@@ -114,6 +115,29 @@ def check_resume(saved: Dict[str, Any], cfg: RunConfig, world: int, where: str, 
     if warn:
         for w in warned:
             _say(f"resume from {where}: {w} (the resumed steps see other data / randomness than the original run)")
+
+
+def _world_change(old: Dict[str, Any], cfg: RunConfig, sw: int, world: int, refused: List[str],
+                  where: str) -> List[str]:
+    """A resume on another number of ranks (issue 23; checkpoint.load reshards ZeRO state): allowed
+    when every step still sees the same global batch, micro_batch x grad_accum x ranks; micro_batch
+    and grad_accum may change for that. Returns what stays refused."""
+    t = old.get("train") or {}
+    try:
+        before = int(t["micro_batch"]) * int(t["grad_accum"]) * sw
+    except (KeyError, TypeError, ValueError):
+        return refused + [f"world_size: {sw} -> {world} (ranks; the checkpoint's batch is unknown)"]
+    after = cfg.train.micro_batch * cfg.train.grad_accum * world
+    if before != after:
+        hint = ""
+        if before % (cfg.train.micro_batch * world) == 0:
+            hint = f"; keep it with train.grad_accum={before // (cfg.train.micro_batch * world)}"
+        return refused + [f"world_size: {sw} -> {world} (ranks) changes the global batch from {before} to {after} "
+                          f"samples per step (micro_batch x grad_accum x ranks){hint}"]
+    keep = [r for r in refused if not r.startswith(("train.micro_batch:", "train.grad_accum:"))]
+    _say(f"resume from {where}: {sw} -> {world} rank(s), the same global batch of {after} samples per step "
+         f"(micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum} x {world})")
+    return keep
 
 
 # ----------------------------------------------------------------------------- the directory
