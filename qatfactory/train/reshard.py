@@ -2,7 +2,7 @@
 
 ZeRO-1/2/3 split the fp32 master weights and the AdamW moments by rank. DeepSpeed's own loader refuses
 another world size, and its universal-checkpoint converter (ds_to_universal) unpickles every file with
-``weights_only=False``. So qatfactory gathers the state itself, reading DeepSpeed's files through
+full pickle loading (weights_only off). So qatfactory gathers the state itself, reading DeepSpeed's files through
 :func:`checkpoint.safe_torch_load` (``weights_only=True``, memory-mapped), into plain safetensors::
 
     <ckpt>/gathered/gathered.json             what was gathered: from how many ranks, the ZeRO stage,
