@@ -39,15 +39,15 @@ SHAPES = {
 }
 
 # name -> (parameter dtype, ModelOpt config name or None, distill)
-PEERS = {
-    "plain loop, bf16 params": ("bfloat16", None, False),
+PEERS = {       # equal precision (fp32 masters) first: a round cut short by its time budget loses the rest
     "plain loop, fp32 masters": ("float32", None, False),
-    "ModelOpt W4A16 QAT, bf16 params": ("bfloat16", "W4A16_NVFP4_CFG", False),
-    "ModelOpt W4A4 QAT, bf16 params": ("bfloat16", "NVFP4_DEFAULT_CFG", False),
-    "ModelOpt QAD W4A16, bf16 params": ("bfloat16", "W4A16_NVFP4_CFG", True),
     "ModelOpt W4A16 QAT, fp32 masters": ("float32", "W4A16_NVFP4_CFG", False),
     "ModelOpt W4A4 QAT, fp32 masters": ("float32", "NVFP4_DEFAULT_CFG", False),
     "ModelOpt QAD W4A16, fp32 masters": ("float32", "W4A16_NVFP4_CFG", True),
+    "plain loop, bf16 params": ("bfloat16", None, False),
+    "ModelOpt W4A16 QAT, bf16 params": ("bfloat16", "W4A16_NVFP4_CFG", False),
+    "ModelOpt QAD W4A16, bf16 params": ("bfloat16", "W4A16_NVFP4_CFG", True),
+    "ModelOpt W4A4 QAT, bf16 params": ("bfloat16", "NVFP4_DEFAULT_CFG", False),
 }
 
 

@@ -3,6 +3,7 @@ trainer, the fp8 arm's export + parity gate, report and plot, end to end on a ra
 (plumbing only: the smoke measures nothing about KV caches). The engine checks need a GPU and must say
 that they did not run."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_kv_cache_benchmark_smoke(tmp_path, one_thread):
+def _keep_env(monkeypatch, name):
+    """Whatever the test does to os.environ[name], the value before it is back afterwards."""
+    old = os.environ.get(name)
+    monkeypatch.setenv(name, "" if old is None else old)     # records the value before (or its absence)
+    if old is None:
+        monkeypatch.delenv(name)
+
+
+def test_kv_cache_benchmark_smoke(tmp_path, one_thread, monkeypatch):
+    # the smoke sets QATFACTORY_CACHE in this process (benchmarks/gpu/engines.py); restored after the test,
+    # or the tests after it look for llama.cpp's runtime in this test's temporary cache
+    _keep_env(monkeypatch, "QATFACTORY_CACHE")
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import kv_cache

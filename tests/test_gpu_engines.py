@@ -2,6 +2,7 @@
 report phases, with the student's own top-K standing in for vLLM's output, so the script cannot rot.
 The vLLM phase itself needs CUDA and runs only on the GPU machine (benchmarks/gpu/engines.sh)."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,18 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import engines  # noqa: E402
 
 
-def test_engines_smoke_students_and_report(tmp_path):
+def _keep_env(monkeypatch, name):
+    """Whatever the test does to os.environ[name], the value before it is back afterwards."""
+    old = os.environ.get(name)
+    monkeypatch.setenv(name, "" if old is None else old)     # records the value before (or its absence)
+    if old is None:
+        monkeypatch.delenv(name)
+
+
+def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
+    # the smoke sets QATFACTORY_CACHE in this process (benchmarks/gpu/engines.py); restored after the test,
+    # or the tests after it look for llama.cpp's runtime in this test's temporary cache
+    _keep_env(monkeypatch, "QATFACTORY_CACHE")
     cells = "nvfp4-w4a16-modelopt,mxfp4-w4a4-ct,moe-nvfp4-w4a16-ct"
     rep = engines.main(["smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--cells", cells,
                         "--steps", "2", "--seq", "64", "--micro", "2", "--eval-seqs", "2", "--prompts", "2",

@@ -23,6 +23,7 @@ from .fake_quant import ActQuantizer
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
 
+
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weight_format: str, strategy: str = "dynamic",
                  act_format: Optional[str] = None, ste: str = "identity", name: str = ""):
@@ -195,7 +196,7 @@ class _QuantLinearFn(torch.autograd.Function):
         mod = ctx.mod
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         clipped = ctx.clipped
-        if wq is None and (need_x or (need_w and not clipped)):
+        if wq is None and need_x:
             wq = mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype)
         g2 = gy.reshape(-1, gy.shape[-1])
         gx = gw = gb = None
