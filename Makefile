@@ -23,6 +23,7 @@ llama-cpp: install
 	$(BIN)/python scripts/llama_cpp_runtime.py ensure
 
 test: install llama-cpp
+	$(BIN)/ruff check qatfactory exporters
 	$(BIN)/python -m pytest -q -m "not cuda and not multi_gpu" tests $(PYTEST_ARGS)
 
 demo: install llama-cpp

@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
     + ["qatfactory.exporters", "qatfactory.exporters.verify"],
     package_dir={"qatfactory.exporters": "exporters"},
-    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh"]},
+    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh", "eval_tasks/*.yaml", "eval_tasks/*.py"]},
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
@@ -31,13 +31,16 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "ruff==0.17.6",   # make test: pyflakes rules over the package (ruff.toml)
             "ml_dtypes>=0.5",
             "torchao==0.18.0",
             "deepspeed==0.19.8",
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
             "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies
+            "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/harness.py)
         ],
+        "eval": ["lm-eval==0.4.13", "accelerate"],
         "cuda": ["cupy-cuda13x"],
     },
     entry_points={"console_scripts": ["qatfactory=qatfactory.cli:main"]},

@@ -115,8 +115,8 @@ def overrides(a, prep, seq: int, kv: str, run_dir: Path, export: bool) -> List[s
 
 
 def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
+    from qatfactory.ship import train_and_ship as run     # the trainer, then export + gate (export=vllm)
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
     rd = a.work / f"seq{seq}-{kv}"
     export = kv == "fp8_e4m3" and not a.no_export
     over = overrides(a, prep, seq, kv, rd, export)

@@ -1,45 +1,62 @@
-"""Training step time on one GPU: bf16 SFT vs QAT (W4A16, W4A4), QAD (live, cached teacher), LoRA-QAD.
+"""Training step time on one GPU: bf16 SFT vs QAT (W4A16, W4A4), QAD (live, cached teacher), LoRA-QAD,
+beside the peers (plain PyTorch loops, NVIDIA Model Optimizer; benchmarks/step_peers.py), in one table.
 
-    python benchmarks/step.py                      # all variants, markdown table on stdout
-    python benchmarks/step.py --steps 12 --format nvfp4 --out benchmarks/step.json
+    python benchmarks/step.py --out DIR                  # all variants + peers: DIR/step.md, step.json
+    python benchmarks/step.py --before --variants "W4A16,W4A4,live,cached,SFT" --budget 270 --out DIR
     python benchmarks/step.py --loss               # the KD loss alone: naive vs token / token x vocab chunks
     python benchmarks/step.py --loss --loss-smoke  # the same rows at CPU size (checks the script only)
+    python benchmarks/step.py --device cpu --model smoke --seq 64 --batch 2 ...   # CPU smoke of the script
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
-batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss.
-Each variant runs in its own process (clean peak-memory numbers) through the real trainer
-(qatfactory.train.engine.run); the first --warmup steps are excluded from the timings.
-Not a test: nothing is asserted; the lead runs it on an H200 and copies the table to RESULTS.md.
+batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
+real trainer (qatfactory.train.engine.run). ``--before`` adds, beside each QAT/QAD row, the same run with
+issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
+autograd per loss chunk); the per-linear launch plan cannot be switched off and is in both.
+Every job runs on one of two persistent workers (ours / peers, benchmarks/step_workers.py), one job at a
+time, in interleaved rounds (``--repeat``, cut short by ``--budget``); the first --warmup steps of a
+run are excluded from its timing and round 0 also profiles --profile-steps more steps (GPU busy vs
+wall, benchmarks/step_profile.py). ``--fresh``: a new process per job instead (slower; for a check).
+Not a test: nothing is asserted; the lead runs it on an H200 (benchmarks/gpu/step.sh) and copies the
+table to RESULTS.md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODEL = ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=32000", "model.tiny.hidden_size=2048",
          "model.tiny.intermediate_size=5632", "model.tiny.num_hidden_layers=16", "model.tiny.num_attention_heads=16",
          "model.tiny.num_key_value_heads=8", "model.tiny.tie_word_embeddings=false"]
 # --model smollm2: SmolLM2-135M's shape (the pipeline's part 2 model), random weights; 4 x 2048 tokens is
-# what one rank of that run computes per optimizer step (2 x 2048 x accum 2)
+# what one rank of that run computes per optimizer step (2 x 2048 x accum 2); --model smoke: a CPU-sized
+# Llama that checks the script end to end and measures nothing
 MODELS = {"llama1b": MODEL,
           "smollm2": ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=49152",
                       "model.tiny.hidden_size=576", "model.tiny.intermediate_size=1536",
                       "model.tiny.num_hidden_layers=30", "model.tiny.num_attention_heads=9",
-                      "model.tiny.num_key_value_heads=3", "model.tiny.tie_word_embeddings=true"]}
+                      "model.tiny.num_key_value_heads=3", "model.tiny.tie_word_embeddings=true"],
+          "smoke": ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=512",
+                    "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
+                    "model.tiny.num_hidden_layers=2", "model.tiny.num_attention_heads=4",
+                    "model.tiny.num_key_value_heads=2", "model.tiny.tie_word_embeddings=false"]}
+BEFORE = " [before: weight cache off, unfused loss]"
+BEFORE_OVER = ["method.loss.fused=false", "env:QF_WEIGHT_CACHE=0"]
+HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
 
 
-def variants(fmt: str):
+def variants(fmt: str, before: bool = False):
     w16, w4 = f"format={fmt}_w4a16", f"format={fmt}_w4a4"
-    return {
+    base = {
         "bf16 SFT (no quant, CE)": ["method=qat", "format=bf16", "method.eval_teacher=false"],
         "QAT W4A16 (CE)": ["method=qat", w16, "method.eval_teacher=false"],
         "QAT W4A4 (CE)": ["method=qat", w4, "method.eval_teacher=false"],
@@ -48,45 +65,94 @@ def variants(fmt: str):
         "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
         "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
     }
+    out = {}
+    for name, over in base.items():
+        if before and name in HAS_BEFORE:
+            out[name + BEFORE] = over + BEFORE_OVER
+        out[name] = over
+    return out
 
 
-def one(name: str, over, args) -> dict:
+@contextlib.contextmanager
+def _env(over):
+    """Apply the ``env:K=V`` items of a variant for the run; returns the Hydra overrides."""
+    env = dict(o[4:].split("=", 1) for o in over if o.startswith("env:"))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield [o for o in over if not o.startswith("env:")]
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def peak_after_first_step(cuda: bool):
+    """Peak memory counted from the first optimizer step on (setup, calibration, a teacher cache pass
+    excluded; the optimizer states exist by then), as the peers' loops count theirs."""
+    if not cuda:
+        yield
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    done = []
+
+    def hook(opt, a, k):
+        if not done:
+            done.append(1)
+            torch.cuda.reset_peak_memory_stats()
+    h = register_optimizer_step_post_hook(hook)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+def _slug(name: str) -> str:
+    # letters, digits and _ only: the path is a Hydra override value (a comma would make it a sweep)
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
+    """One run of a variant through the trainer: timing of steps warmup+1..steps; with ``profile``,
+    1 + profile_steps more steps profiled (GPU busy vs wall; not timed)."""
     import torch
     from qatfactory.train.config import compose
     from qatfactory.train.engine import run
-    # letters, digits and _ only: the path is a Hydra override value (a comma would make it a sweep)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", name.split(" (")[0]).strip("_")
-    run_dir = Path(args.workdir) / (slug + (f"_{args.tag}" if args.tag else ""))
-    n = args.steps * 4
-    cfg = compose(MODELS[args.model] + list(over) + [
-        f"run_dir={run_dir}", "data.synthetic=%d" % n, "data.seq_len=2048", "data.eval_samples=1",
-        "train.micro_batch=4", "train.grad_accum=1", "train.precision=bf16", "train.optimizer=adamw_fused",
-        "train.zero_stage=0", f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_samples=1",
-        "train.save_final=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
-        "train.device=cuda", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"])
-    torch.cuda.reset_peak_memory_stats()
-    if args.profile:
-        # where the time goes (not a timing run: the profiler slows the host side)
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    from step_profile import StepProfile
+    cuda = args.device == "cuda"
+    run_dir = Path(args.workdir) / (_slug(name) + (f"_{tag}" if tag else ""))
+    total = args.steps + (1 + args.profile_steps if profile else 0)
+    with _env(over) as hydra:
+        cfg = compose(MODELS[args.model] + hydra + [
+            f"run_dir={run_dir}", "data.synthetic=%d" % (total * args.batch), f"data.seq_len={args.seq}",
+            "data.eval_samples=1", f"train.micro_batch={args.batch}", "train.grad_accum=1", "train.precision=bf16",
+            f"train.optimizer={'adamw_fused' if cuda else 'adamw_torch'}", "train.zero_stage=0",
+            f"train.max_steps={total}", "train.eval_every=0", "train.eval_samples=1", "train.save_final=false",
+            "train.save_student=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
+            f"train.device={args.device}", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sp = StepProfile(skip=args.steps + 1, steps=args.profile_steps, device=args.device,
+                         op_table=bool(args.op_table and args.op_table in name)) if profile else None
+        with sp if sp is not None else contextlib.nullcontext(), peak_after_first_step(cuda):
             s = run(cfg)
-        ka = prof.key_averages()
-        txt = [f"profile of '{name}', {args.steps} steps (setup included)\n"]
-        for key in ("self_cuda_time_total", "self_cpu_time_total"):
-            txt.append(f"\n== top 30 by {key}\n" + ka.table(sort_by=key, row_limit=30))
-        dest = Path(args.profile_dir or args.workdir) / ("profile_" + re.sub(r"[^A-Za-z0-9]+", "_", name.split(" (")[0]).strip("_") + ".txt")
-        dest.write_text("".join(txt))
-        print(f"[bench] profile written to {dest}", file=sys.stderr, flush=True)
-    else:
-        s = run(cfg)
-    s.pop("engine").destroy()
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "step_ms" in r and r["step"] > args.warmup]
+        s.pop("engine").destroy()
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "step_ms" in r and args.warmup < r["step"] <= args.steps]
     ms = statistics.median(r["step_ms"] for r in steps)
-    return {"variant": name, "ms_per_step": ms, "step_ms_all": [round(r["step_ms"], 1) for r in steps],
-            "tokens_per_s": 4 * 2048 / (ms / 1000.0),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "steps_timed": len(steps),
-            "final_loss": steps[-1]["loss"] if steps else None}
+    row = {"variant": name, "ms_per_step": ms, "step_ms_all": [round(r["step_ms"], 1) for r in steps],
+           "tokens_per_s": args.batch * args.seq / (ms / 1000.0),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "steps_timed": len(steps), "final_loss": steps[-1]["loss"] if steps else None}
+    if sp is not None:
+        row["profile"] = sp.result
+        if sp.op_text and args.out:
+            Path(args.out, f"profile_{_slug(name)}.txt").write_text(sp.op_text)
+    return row
 
 
 def loss_memory(args) -> int:
@@ -109,11 +175,15 @@ def loss_memory(args) -> int:
     specs = [("naive (full fp32 logits)", naive_lm_loss, LossConfig())]
     # token chunks alone, then token x vocabulary slices (2 passes over the head for forward KL, 3 for
     # reverse KL / JSD); the reverse-KL pair shows the price of the extra pass
-    for c, vc, kind in ((1024, None, "forward_kl"), (4096, None, "forward_kl"), (1024, 16384, "forward_kl"),
-                        (4096, 32768, "forward_kl"), (4096, None, "reverse_kl"), (4096, 32768, "reverse_kl")):
+    # fused: the closed-form gradient of the forward-KL chunks (the default); False: autograd per chunk
+    for c, vc, kind, fused in ((1024, None, "forward_kl", False), (1024, None, "forward_kl", True),
+                               (4096, None, "forward_kl", False), (4096, None, "forward_kl", True),
+                               (1024, 16384, "forward_kl", True), (4096, 32768, "forward_kl", True),
+                               (4096, None, "reverse_kl", True), (4096, 32768, "reverse_kl", True)):
         name = f"chunked, {c // d} tokens" + ("" if vc is None else f" x {vc // d} vocab") + "/chunk"
         name += ", reverse KL" if kind == "reverse_kl" else ""
-        specs.append((name, lm_loss, LossConfig(kind=kind, chunk_tokens=c // d,
+        name += ", autograd per chunk (fused=False)" if not fused else ""
+        specs.append((name, lm_loss, LossConfig(kind=kind, chunk_tokens=c // d, fused=fused,
                                                 vocab_chunk=None if vc is None else vc // d)))
     rows = []
     for name, fn, cfg in specs:
@@ -159,12 +229,16 @@ def summarize(order, runs) -> list:
     for kind, name in order:
         ok = [r for r in runs[name] if "ms_per_step" in r]
         if not ok:
-            out.append({"kind": kind, "variant": name, "error": runs[name][-1].get("error", "?")})
+            last = runs[name][-1]
+            key = "not_run" if "not_run" in last else "error"
+            out.append({"kind": kind, "variant": name, key: last.get(key, "?")})
             continue
         ms = [r["ms_per_step"] for r in ok]
         mem = [r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None]
+        tps = [r["tokens_per_s"] for r in ok if "tokens_per_s" in r]
         out.append({"kind": kind, "variant": name, "ms_per_step": statistics.median(ms), "min_ms": min(ms),
-                    "max_ms": max(ms), "rounds": len(ms), "tokens_per_s": 4 * 2048 / (statistics.median(ms) / 1000),
+                    "max_ms": max(ms), "rounds": len(ms),
+                    "tokens_per_s": statistics.median(tps) if tps else 4 * 2048 / (statistics.median(ms) / 1000),
                     "peak_mem_gib": max(mem) if mem else None,
                     "weights_changed_by_step_1": ok[0].get("weights_changed_by_step_1"), "runs": ok})
     return out
@@ -176,6 +250,9 @@ def table(rows) -> str:
     L = ["| variant | ms/step | spread | tokens/s | vs plain fp32-master loop | peak GiB | weights changed by step 1 |",
          "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
+        if "not_run" in r:
+            L.append(f"| {r['variant']} | not run: {r['not_run'][:90]} | | | | | |")
+            continue
         if "error" in r:
             L.append(f"| {r['variant']} | failed | | | | | {r['error'][:90]} |")
             continue
@@ -210,95 +287,144 @@ def versions() -> str:
     return "; " + ", ".join(v) if v else ""
 
 
-def main():
+def run_job(kind: str, job: dict, args) -> dict:
+    """A worker's job: one run of an ours or a peer variant."""
+    if kind == "ours":
+        vs = variants(args.format, before=True)
+        return one(job["name"], vs[job["name"]], args, profile=job.get("profile", False), tag=f"r{job['round']}")
+    import step_peers
+    return step_peers.run_peer(job["name"], args.model, args.steps, args.warmup, args.batch, args.seq, args.lr,
+                               device=args.device, profile_steps=args.profile_steps if job.get("profile") else 0)
+
+
+def _keys(spec: str):
+    """Substrings separated by '|' (names hold commas), or by ',' when there is no '|'."""
+    return [k.strip() for k in spec.split("|" if "|" in spec else ",") if k.strip()]
+
+
+def _common(args):
+    out = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format, "--chunk",
+           str(args.chunk), "--model", args.model, "--device", args.device, "--seq", str(args.seq), "--batch",
+           str(args.batch), "--workdir", args.workdir, "--profile-steps", str(args.profile_steps), "--lr",
+           str(args.lr)]
+    if args.op_table:
+        out += ["--op-table", args.op_table]
+    if args.out:
+        out += ["--out", args.out]
+    return out
+
+
+def levers(rows) -> str:
+    """Each variant run with and without issue 17's switchable levers: before, after, the ratio."""
+    by = {r["variant"]: r for r in rows if "ms_per_step" in r}
+    L = ["| variant | before ms/step | after ms/step | after / before | before peak GiB | after peak GiB |",
+         "|---|---:|---:|---:|---:|---:|"]
+    for name in HAS_BEFORE:
+        b, a = by.get(name + BEFORE), by.get(name)
+        if a is None or b is None:
+            continue
+        gib = lambda r: "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"   # noqa: E731
+        L.append(f"| {name} | {b['ms_per_step']:.1f} | {a['ms_per_step']:.1f} | "
+                 f"{a['ms_per_step'] / b['ms_per_step']:.2f} | {gib(b)} | {gib(a)} |")
+    return "\n".join(L) if len(L) > 2 else ""
+
+
+def report(order, runs, notes, args) -> str:
+    import step_workers
+    order = [o for o in order if o[0] == "ours"] + [o for o in order if o[0] != "ours"]
+    rows = summarize(order, runs)
+    shape = {"llama1b": "hidden 2048 x 16 layers", "smollm2": "SmolLM2-135M shape (576 x 30 layers)",
+             "smoke": "CPU smoke shape (64 x 2 layers): checks the script, measures nothing"}[args.model]
+    L = [f"step time, random Llama {shape}, batch {args.batch} x {args.seq}, bf16, {args.steps} steps "
+         f"({args.warmup} warm-up excluded), format {args.format}, device {args.device}, up to {args.repeat} "
+         f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds){versions()}", "",
+         table(rows), "",
+         "issue 17's levers (before: QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both):",
+         "", levers(rows) or "(no before/after pairs ran)", "",
+         f"profile (round 0, {args.profile_steps} steps after the timed ones; GPU busy = union of kernel/copy "
+         f"intervals; idle = wall - busy, the host-bound share):", "", step_workers.profile_table(order, runs)]
+    leaks = [f"{r['variant']} (round {r['round']}): {r['mem_before_gib']:.2f} GiB"
+             for rs in runs.values() for r in rs if (r.get("mem_before_gib") or 0) > 0.05]
+    if leaks:
+        notes = notes + ["memory still allocated when a job started (a leak from an earlier job): " + "; ".join(leaks)]
+    if notes:
+        L += ["", "notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(L), rows
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
     ap.add_argument("--chunk", type=int, default=2048, help="loss chunk (tokens)")
     ap.add_argument("--model", default="llama1b", choices=sorted(MODELS),
-                    help="llama1b: the table's model (default); smollm2: SmolLM2-135M's shape")
-    ap.add_argument("--only", default=None, help="run one variant (internal: used by the parent process)")
+                    help="llama1b: the table's model (default); smollm2: SmolLM2-135M's shape; smoke: CPU-sized")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=5e-6, help="the peers' AdamW rate (the changed column depends on it)")
+    ap.add_argument("--only", default=None, help="run one of our variants in this process (prints its ROW)")
+    ap.add_argument("--serve", default=None, choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here (a folder: <folder>/step.json)")
+    ap.add_argument("--out", default=None, help="a folder: step.md, step.json (and profile_*.txt) go there")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated substrings: run only the variants whose name contains one of them")
-    ap.add_argument("--profile", default=None,
-                    help="also run this variant once more under torch.profiler (a substring of its name); "
-                         "the op table goes to <--out folder>/profile_<variant>.txt")
-    ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
+                    help="substrings (',' or '|'-separated): run only our variants whose name contains one")
+    ap.add_argument("--peers", default=None, help="substrings ('|'-separated): only these peers (default: all)")
+    ap.add_argument("--skip", default=None, help="substrings: leave out our variants whose name contains one")
+    ap.add_argument("--before", action="store_true",
+                    help="add each QAT/QAD variant with the issue-17 levers off (weight cache, fused loss)")
+    ap.add_argument("--profile-steps", type=int, default=2, help="steps profiled in round 0 (0: none)")
+    ap.add_argument("--op-table", default=None,
+                    help="a variant substring: its profile also records CPU ops and writes op tables to --out")
     ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds of every variant")
-    ap.add_argument("--no-peers", dest="peers", action="store_false",
+    ap.add_argument("--budget", type=float, default=0, help="seconds: start no job that would end after it")
+    ap.add_argument("--job-timeout", type=float, default=300)
+    ap.add_argument("--fresh", action="store_true", help="a new worker process per job")
+    ap.add_argument("--no-peers", dest="peers_on", action="store_false",
                     help="leave out the peers' rows (plain loops, Model Optimizer; benchmarks/step_peers.py)")
     ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
     ap.add_argument("--loss-smoke", action="store_true", help="with --loss: CPU-sized shapes (checks the script)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.loss:
         return loss_memory(args)
     # DeepSpeed's op builder cannot parse "9.0a" (the H200 image's default); FusedAdam needs a plain arch
     if os.environ.get("TORCH_CUDA_ARCH_LIST", "").endswith("a"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ["TORCH_CUDA_ARCH_LIST"].rstrip("a")
-    vs = variants(args.format)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="qf-step-bench-")
+    if args.serve:
+        import step_workers
+        return step_workers.serve(args.serve, lambda job: run_job(args.serve, job, args))
+    vs = variants(args.format, before=args.before)
     if args.variants:
-        keys = [k.strip() for k in args.variants.split(",") if k.strip()]
+        keys = _keys(args.variants)
         vs = {n: o for n, o in vs.items() if any(k in n for k in keys)}
         if not vs:
-            ap.error(f"--variants {args.variants!r} matches none of {list(variants(args.format))}")
+            ap.error(f"--variants {args.variants!r} matches none of {list(variants(args.format, args.before))}")
+    if args.skip:
+        vs = {n: o for n, o in vs.items() if not any(k in n for k in _keys(args.skip))}
     if args.only is not None:
-        args.profile = args.profile if args.profile_dir else None
-        row = one(args.only, vs[args.only], args)
+        row = one(args.only, variants(args.format, before=True)[args.only], args)
         print("ROW " + json.dumps(row), flush=True)
         return 0
-    work = args.workdir or tempfile.mkdtemp(prefix="qf-step-bench-")
-    out_dir = Path(args.out) if args.out and Path(args.out).is_dir() else None
-    jobs = [("ours", name, []) for name in vs]
-    if args.peers:
-        import step_peers
-        jobs += [("peer", name, []) for name in step_peers.PEERS]
-    profile_job = None
-    if args.profile:
-        hit = [n for n in vs if args.profile in n]
-        if not hit:
-            ap.error(f"--profile {args.profile!r} matches no selected variant")
-        profile_job = ("ours", hit[0], ["--profile", args.profile, "--profile-dir", str(out_dir or work), "--steps", "5"])
-    runs: dict = {}
-    order = []
-    # every variant once per round, rounds repeated: drift over the run lands in the spread, not in a ratio
-    for rnd in range(args.repeat):
-        for kind, name, extra in jobs + ([profile_job] if profile_job and rnd == 0 else []):
-            if kind == "ours":
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--workdir", work,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--format", args.format,
-                       "--chunk", str(args.chunk), "--model", args.model, "--tag", f"r{rnd}"] + extra
-            else:
-                cmd = [sys.executable, str(Path(__file__).resolve().parent / "step_peers.py"), "--only", name,
-                       "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
-            line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
-            if "--profile" in extra:          # the profiled run: its timings are not comparable
-                print(f"[bench] {name}: profiled", file=sys.stderr, flush=True)
-                continue
-            if p.returncode != 0 or not line:
-                row = {"variant": name, "error": (p.stderr or p.stdout)[-400:].replace("\n", " ")}
-                print(f"[bench] {name}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
-            else:
-                row = json.loads(line[-1][4:])
-                row["variant"] = name
-            if name not in runs:
-                order.append((kind, name))
-            runs.setdefault(name, []).append(row)
-            # every row as soon as it exists: a run cut short by its time limit still reports it
-            print(f"[bench] {name} (round {rnd}): " + json.dumps(row), file=sys.stderr, flush=True)
-    rows = summarize(order, runs)
-    shape = "hidden 2048 x 16 layers" if args.model == "llama1b" else "SmolLM2-135M shape (576 x 30 layers)"
-    print(f"\nstep time, random Llama {shape}, batch 4 x 2048, bf16, {args.steps} steps ({args.warmup} warm-up "
-          f"excluded), format {args.format}, {args.repeat} interleaved rounds (median of the rounds' medians; "
-          f"spread = min..max over rounds){versions()}\n")
-    print(table(rows))
-    if args.out:
-        (out_dir / "step.json" if out_dir else Path(args.out)).write_text(json.dumps(rows, indent=1))
+    import step_peers
+    import step_workers
+    jobs = [("ours", name, True) for name in vs]
+    if args.peers_on:
+        keys = _keys(args.peers or "")
+        jobs += [("peer", name, True) for name in step_peers.PEERS if not keys or any(k in name for k in keys)]
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    cmds = {"ours": me + ["--serve", "ours"] + _common(args), "peer": me + ["--serve", "peer"] + _common(args)}
+    order, runs, notes = step_workers.run_rounds(jobs, cmds, args, out_dir or Path(args.workdir))
+    md, rows = report(order, runs, notes, args)
+    print("\n" + md)
+    if out_dir is not None:
+        (out_dir / "step.md").write_text(md + "\n")
+        (out_dir / "step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "notes": notes,
+                                                       "versions": versions()}, indent=1, default=str))
     return 0
 
 

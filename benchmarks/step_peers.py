@@ -23,6 +23,10 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # the shapes of benchmarks/step.py's MODELS (kept in step with it by tests/test_step_bench.py)
 SHAPES = {
@@ -57,14 +61,18 @@ def build(shape: str, dtype, device, seed: int = 0):
     return m.to(dtype)
 
 
-def run_peer(name: str, shape: str, steps: int, warmup: int, batch: int, seq: int, lr: float) -> dict:
+def run_peer(name: str, shape: str, steps: int, warmup: int, batch: int, seq: int, lr: float,
+             device: Optional[str] = None, profile_steps: int = 0) -> dict:
+    """Time steps warmup+1..steps; with ``profile_steps``, one more step and then that many profiled
+    (benchmarks/step_profile.py: GPU busy vs wall), not timed."""
+    import contextlib
     import torch
     import torch.nn.functional as F
     pdt, mto, distill = PEERS[name]
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")
     if mto is not None and not cuda:
-        return {"variant": name, "error": "Model Optimizer's NVFP4 fake quantization runs on CUDA only"}
+        return {"variant": name, "not_run": "CUDA only (Model Optimizer's NVFP4 fake quantization)"}
     dtype = getattr(torch, pdt)
     model = build(shape, dtype, dev)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -85,6 +93,28 @@ def run_peer(name: str, shape: str, steps: int, warmup: int, batch: int, seq: in
     times, first_changed = [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    total = steps + (1 + profile_steps if profile_steps else 0)
+    sp = None
+    if profile_steps:
+        from step_profile import StepProfile
+        sp = StepProfile(skip=steps + 1, steps=profile_steps, device=dev.type)
+    with sp if sp is not None else contextlib.nullcontext():
+        first_changed = _loop(model, teacher, kd, opt, data, autocast, distill, total, times, cuda, F)
+    timed = times[warmup:steps] or times[:steps]
+    row = {"variant": name, "ms_per_step": statistics.median(timed), "step_ms_all": [round(t, 1) for t in timed],
+           "tokens_per_s": batch * seq / (statistics.median(timed) / 1000),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "weights_changed_by_step_1": first_changed, "lr": lr}
+    if sp is not None:
+        row["profile"] = sp.result
+    return row
+
+
+def _loop(model, teacher, kd, opt, data, autocast, distill, steps, times, cuda, F):
+    """The plain training loop; appends each step's ms to ``times``; returns the fraction of the
+    trainable weights that the first optimizer step changed."""
+    import torch
+    first_changed = None
     for step in range(steps):
         ids = data[step % len(data)]
         before = None
@@ -111,11 +141,10 @@ def run_peer(name: str, shape: str, steps: int, warmup: int, batch: int, seq: in
             after = [p.detach() for p in model.parameters() if p.requires_grad]
             n = sum(b.numel() for b in before)
             first_changed = sum(int((a != b).sum()) for a, b in zip(after, before)) / n
-    timed = times[warmup:] or times
-    return {"variant": name, "ms_per_step": statistics.median(timed), "step_ms_all": [round(t, 1) for t in timed],
-            "tokens_per_s": batch * seq / (statistics.median(timed) / 1000),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "weights_changed_by_step_1": first_changed, "lr": lr}
+            before = after = None
+            if cuda:   # peak memory from here on: not the copy above, as ours excludes its setup
+                torch.cuda.reset_peak_memory_stats()
+    return first_changed
 
 
 def main(argv=None) -> int:

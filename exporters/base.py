@@ -40,6 +40,11 @@ class ExportError(ValueError):
     what to do instead)."""
 
 
+class NoLayoutError(ExportError, NotImplementedError):
+    """The format declares no layout for the engine's container (its FormatSpec.gguf / .safetensors is
+    None). An ExportError; also a NotImplementedError, as the refusal of an unsupported format was before."""
+
+
 # ------------------------------------------------------------------------------ registry
 @dataclass
 class ExportResult:
@@ -469,22 +474,13 @@ def spec_of(p: PackedTensor) -> FormatSpec:
     return get_format(p.format).spec
 
 
-def is_ggml_variant(spec: FormatSpec) -> bool:
-    """A format whose numerics follow llama.cpp/ggml (its bytes are GGUF blocks)."""
-    eng = spec.engine.lower()
-    return "ggml" in eng or "llama.cpp" in eng or spec.nibble_order not in ("pairs",)
-
-
-def safetensors_layout(spec: FormatSpec) -> Optional[str]:
-    """'nvfp4' / 'mxfp4' when the spec stores pairs-packed E2M1 codes with the scale codec the
-    safetensors containers hold; 'int4' for a format whose codes and scales are compressed-tensors'
-    int4 ``pack-quantized`` (the 4-bit LSQ grid of intgrid.py, also a GGUF Q4_0 format); else None."""
-    if getattr(get_format(spec.name), "compressed_tensors", None) == "pack-quantized":
-        return "int4"
-    if spec.element != "e2m1" or is_ggml_variant(spec) or spec.role == "activation":
-        return None
-    if spec.block_size == 16 and spec.scale_codec == "e4m3" and spec.global_scale is not None:
-        return "nvfp4"
-    if spec.block_size == 32 and spec.scale_codec == "e8m0" and spec.global_scale is None:
-        return "mxfp4"
-    return None
+def declared_layout(spec: FormatSpec, container: str, engine: str, tensor: str, supported: str):
+    """The spec's layout record for ``container`` ("gguf" | "safetensors"); refuses, naming the format and
+    the engine, when the format declares none."""
+    lay = spec.layout(container)
+    if lay is None:
+        raise NoLayoutError(
+            f"{engine} exporter: format {spec.name!r} (tensor {tensor}) declares no {container} layout "
+            f"(its FormatSpec.{container} is None), so {engine} cannot hold it; supported: {supported}, or any "
+            f"format whose spec declares a {container} layout")
+    return lay

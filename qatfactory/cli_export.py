@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="vllm/sglang: safetensors shard size")
-    e.add_argument("--verify", action="store_true", help="run the parity gate right after exporting")
+    e.add_argument("--verify", action="store_true",
+                   help="run the parity gate right after exporting (one that does not PASS moves the export to "
+                        "OUT.FAILED with FAILED.json inside)")
     v = sub.add_parser("verify", help="reload an export with third-party code and compare it with the student")
     v.add_argument("export_dir")
     v.add_argument("--against", required=True, help="save_student directory the export was made from")
@@ -109,7 +111,8 @@ def verdict_code(res) -> int:
 
 
 def _run(args) -> int:
-    from qatfactory.exporters import export, verify
+    from qatfactory.exporters import verify
+    from qatfactory.ship import ship
 
     if args.cmd == "export":
         from qatfactory._fsutil import check_replaceable
@@ -122,15 +125,17 @@ def _run(args) -> int:
             opts["dense_dtype"] = args.dense_dtype
         else:
             opts["max_shard_bytes"] = int(args.max_shard_gb * 2**30)
-        r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force, **opts)
-        print(f"exported {r.engine}/{r.flavour} -> {r.path} ({', '.join(r.files)})")
+        r = ship(cm, args.engine, args.flavour, args.out, verify=args.verify, force=args.force, **opts)
+        print(f"exported {r.engine}/{r.flavour} -> {args.out} ({', '.join(r.files)})")
         kv = r.record.get("kv_cache")   # issue 22: the cache type the student was trained for
         if kv:
             print(f"KV cache: trained for {kv['format']}; serve it with {kv['serve_flags']}")
         if args.verify:
-            res = verify(r.path, cm)
-            _print_result(res, quiet=False)
-            return verdict_code(res)
+            _print_result(r.report, quiet=False)
+            if not r.ok:
+                print(f"the parity gate said {r.gate['verdict']}: the export was moved to {r.path} (FAILED.json "
+                      f"inside); do not serve it")
+            return verdict_code(r.report)
         return 0
     import os
     if not os.path.isdir(args.export_dir):

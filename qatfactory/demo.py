@@ -8,12 +8,14 @@ Per target (NVFP4 W4A16 for vLLM/SGLang, MXFP4 W4A4 for vLLM, llama.cpp Q4_K_M w
 fallback for rows that are not a multiple of 256):
 
 1. PTQ with the quantize API (prepare + calibrate on the calibration split);
-2. QAD with the trainer (``qatfactory.train.engine.run``, the code ``qatfactory train`` runs): a
-   live teacher, or a top-k teacher cache (written once, kept in the cache directory, so later
-   runs skip the teacher's forward) for MXFP4, whose error is far above the cache's top-k floor;
-3. convert -> export for each engine -> the parity gate (``exporters.verify``);
-4. one evaluation routine for teacher, PTQ and QAD students on the held-out split (full-vocabulary
-   forward KL to the teacher, perplexity, top-1 agreement), then ``report.md`` + PNG plots.
+2. QAD with the trainer (``qatfactory.train.engine.run`` on a RunConfig object; the report prints
+   the ``qatfactory train`` command that gives the same config): a live teacher, or a top-k teacher
+   cache (written once, kept in the cache directory, so later runs skip the teacher's forward) for
+   MXFP4, whose error is far above the cache's top-k floor;
+3. convert -> ``qatfactory.ship.ship`` for each engine (export + the parity gate, ``exporters.verify``);
+4. the trainer's own evaluation (``train.engine.evaluate``) for teacher, PTQ and QAD students on the
+   held-out split (full-vocabulary forward KL to the teacher, perplexity, top-1 agreement), then
+   ``report.md`` + PNG plots (qatfactory/demo_report.py).
 
 Everything reported is measured in the run; the run directory keeps the raw numbers
 (``results.json``), each trainer run (metrics, plots) and the exports.
@@ -28,12 +30,25 @@ import json
 import math
 import os
 import platform
-import shutil
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import assets, cpu
+from . import quantize as Q
+from .demo_report import _fmt_s, _verdict, make_plots, report_markdown, summary_lines  # noqa: F401 (re-exported)
+from .distill.losses import LiveTeacherOut, LossConfig
+from .distill.teachers import LiveTeacher
+from .ship import ship
+from .train.config import ModelConfig, RunConfig, compose, to_overrides, validate
+from .train.data import DataConfig, load_data
+from .train.engine import StudentLM, evaluate
+from .train.engine import run as train
 
 
 @dataclass(frozen=True)
@@ -85,10 +100,6 @@ QUICK = dict(steps=3, seq_len=64, micro_batch=2, eval_samples=2, calib_samples=2
 
 def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
-
-
-def _fmt_s(s: float) -> str:
-    return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -207,7 +218,11 @@ def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- evaluation
 class HeldOut:
     """Held-out samples with the teacher's final hidden states kept once, so every model is
-    measured by the same routine against the full-vocabulary teacher distribution."""
+    measured by the trainer's own evaluation (train.engine.evaluate) against the same
+    full-vocabulary teacher distribution. It is that evaluation's teacher: ``batch`` gives the
+    stored outputs of a micro-batch of ``mb`` samples."""
+
+    has_eval = True
 
     def __init__(self, samples, micro_batch: int, device: str = "cpu"):
         self.samples, self.mb, self.device = samples, micro_batch, device
@@ -221,8 +236,6 @@ class HeldOut:
 
     def fill_teacher(self, teacher_model, dtype) -> float:
         """Run the teacher once; returns seconds per micro-batch forward."""
-        import torch
-        from .distill.teachers import LiveTeacher
         lt = LiveTeacher(teacher_model, dtype, self.device)
         t0, n = time.time(), 0
         for _, b in self.batches():
@@ -234,27 +247,16 @@ class HeldOut:
         if self.teacher_w is None:
             raise NotImplementedError("demo: the teacher's head is not a plain linear; the evaluation needs its "
                                       "weight")
-        del torch
         return (time.time() - t0) / max(n, 1)
 
+    def batch(self, split: str, b: Dict[str, torch.Tensor], device):
+        i = int(b["sample_ids"][0]) // self.mb
+        return contextlib.nullcontext(LiveTeacherOut(self.teacher_h[i], self.teacher_w))
+
     def evaluate(self, lm) -> Dict[str, float]:
-        import torch
-        from .distill.losses import LiveTeacherOut, LossConfig
-        from .train.engine import StudentLM
-        st = StudentLM(lm, LossConfig())
-        was = lm.training
-        lm.eval()
-        sums = torch.zeros(4, dtype=torch.float64)
-        with torch.no_grad():
-            for i, b in self.batches():
-                t = LiveTeacherOut(self.teacher_h[i], self.teacher_w)
-                dv = self.device
-                sums += st(b["input_ids"].to(dv), b["attn"].to(dv), b["mask"].to(dv), t, metrics=True).cpu()
-        lm.train(was)
-        tok = max(float(sums[0]), 1.0)
-        ce = float(sums[2]) / tok
-        return {"tokens": float(sums[0]), "kl": float(sums[1]) / tok, "ce": ce, "ppl": math.exp(min(ce, 50.0)),
-                "top1": float(sums[3]) / tok}
+        st = StudentLM(lm, LossConfig()).train(lm.training)      # leaves lm in the mode it was in
+        r = evaluate(st, self.samples, self, len(self.samples), self.mb, 0, 1, self.device)
+        return {k: r[f"eval/{k}"] for k in ("tokens", "kl", "ce", "ppl", "top1")}
 
 
 def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
@@ -263,9 +265,6 @@ def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
     update with lr 0 (the weights stay bit-identical: AdamW with lr 0 multiplies by 1 and adds 0).
     What the forward-only figure misses on a CPU: backward, the loss over the vocabulary,
     the optimizer's pass over every parameter."""
-    import torch
-    from .distill.losses import LiveTeacherOut, LossConfig
-    from .train.engine import StudentLM
     _, b = next(iter(held.batches()))
     mb = min(micro_batch, int(b["input_ids"].shape[0]))
     dv = held.device
@@ -336,26 +335,32 @@ def _model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _overrides(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], run_dir: Path,
-               teacher_cache: Path, device: str = "cpu") -> List[str]:
+def train_config(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], run_dir: Path,
+                 teacher_cache: Path, device: str = "cpu") -> Tuple[RunConfig, List[str]]:
+    """The trainer's RunConfig for one target's QAD run: the target's format and method recipes,
+    then the demo's settings on the object; with the command line that reproduces it exactly."""
     dt = s.dtype if s.dtype in ("bfloat16", "float32") else "bfloat16"
-    o = ["model=local", f"model.path={model_dir}", f"model.dtype={dt}",
-         f"format={t.preset}", "method=qad" if t.teacher == "live" else "method=qad_cached",
-         "train=default", "export=none", "data=files",
-         f"data.train=[{data['train']}]", f"data.eval=[{data['eval']}]", f"data.seq_len={s.seq_len}",
-         f"data.eval_samples={s.eval_samples}",
-         # the report evaluates every model on the whole held-out split itself; the trainer's own
-         # start/end evaluations (progress only) look at one micro-batch of it
-         f"train.eval_samples={min(s.micro_batch, s.eval_samples)}",
-         f"train.max_steps={s.steps}", f"train.lr={s.lr * t.lr_scale:g}", "train.schedule=constant", "train.warmup_steps=0",
-         f"train.micro_batch={s.micro_batch}", "train.grad_accum=1",
-         f"train.precision={'bf16' if dt == 'bfloat16' else 'fp32'}",
-         f"train.device={device}", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
-         "train.save_student=true", "train.tensorboard=false", f"train.seed={s.seed}",
-         f"method.calib_samples={s.calib_samples}", f"run_dir={run_dir}"]
+    groups = [f"format={t.preset}", "method=qad" if t.teacher == "live" else "method=qad_cached", "train=default",
+              "export=none"]
+    cfg = compose(groups)
+    cfg.model = ModelConfig(name="local", path=str(model_dir), dtype=dt)
+    cfg.data = DataConfig(train=[data["train"]], eval=[data["eval"]], seq_len=s.seq_len, eval_samples=s.eval_samples)
+    tr = cfg.train
+    # the report evaluates every model on the whole held-out split itself; the trainer's own
+    # start/end evaluations (progress only) look at one micro-batch of it
+    tr.eval_samples = min(s.micro_batch, s.eval_samples)
+    # the rate as the reproduce command prints it (6 significant digits), so the command gives this run
+    tr.max_steps, tr.lr, tr.schedule, tr.warmup_steps = s.steps, float(f"{s.lr * t.lr_scale:g}"), "constant", 0
+    tr.micro_batch, tr.grad_accum, tr.device = s.micro_batch, 1, device
+    tr.precision = "bf16" if dt == "bfloat16" else "fp32"
+    tr.eval_every, tr.save_every, tr.save_final, tr.save_student, tr.tensorboard = 0, 0, False, True, False
+    tr.seed = s.seed
+    cfg.method.calib_samples = s.calib_samples
     if t.teacher == "cached":
-        o += [f"method.topk={s.topk}", f"method.teacher_cache={teacher_cache}"]
-    return o
+        cfg.method.topk, cfg.method.teacher_cache = s.topk, str(teacher_cache)
+    cfg.run_dir = str(run_dir)
+    cfg = validate(cfg)
+    return cfg, ["model=local", "data=files"] + groups + to_overrides(cfg, ["model=local", "data=files"] + groups)
 
 
 def fake_quant_seconds(model, preset: str) -> float:
@@ -429,13 +434,7 @@ def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float]
 
 def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: bool = True,
              device: str = "auto", llama_cpp: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from . import assets
-    from . import quantize as Q
-    from .train.config import compose
-    from .train.data import DataConfig, load_data
-    from .train.engine import run
 
     t_start = time.time()
     torch.manual_seed(s.seed)
@@ -444,7 +443,6 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu")
     cache = assets.cache_dir()
-    from . import cpu
     # compute in what this machine does fast: bf16 only where it is not emulated; threads for the
     # cores other work leaves free (both measured, both in the report)
     comp = cpu.compute_dtype(device, None if s.dtype == "auto" else s.dtype)
@@ -535,19 +533,18 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
         r["ptq"] = held.evaluate(m)
         _say(f"[{key}] PTQ held-out: KL {r['ptq']['kl']:.4f}, ppl {r['ptq']['ppl']:.3f}")
         if vs_llama_quantize and llama_cpp != "off" and any(e == "llama_cpp" for e, _ in tg.exports):
-            r["ptq_gguf"] = _export_ptq_gguf(Q, m, model_dir, out / "exports" / f"{key}-ptq-llama_cpp-gguf")
+            r["ptq_gguf"] = _export_ptq_gguf(m, model_dir, out / "exports" / f"{key}-ptq-llama_cpp-gguf")
         del m
         gc.collect()
 
         # 2. QAD with the trainer
         rdir = out / f"qad-{key}"
-        over = _overrides(tg, s, model_dir, data, rdir, tcache, device)
-        r["train_command"] = "qatfactory train " + " ".join(over)
+        cfg, over = train_config(tg, s, model_dir, data, rdir, tcache, device)
+        r["train_command"] = "qatfactory train " + " ".join(shlex.quote(o) for o in over)
         r["lr"] = s.lr * tg.lr_scale
         _say(f"[{key}] QAD: {s.steps} steps, lr {r['lr']:g} constant, {tg.teacher} teacher -> {rdir}")
-        summary = run(compose(over))
-        engine = summary.pop("engine")
-        lm = engine.module.lm
+        summary = train(cfg)
+        engine, lm = summary.pop("engine"), summary.pop("student").model
         r["trainer"] = {k: summary.get(k) for k in ("run_dir", "steps", "tokens", "time_s", "eval_first", "eval_last",
                                                    "student_dir")}
         r["qad"] = held.evaluate(lm)
@@ -555,42 +552,10 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
              f"ppl {r['ptq']['ppl']:.3f} -> {r['qad']['ppl']:.3f}")
         r["loss_curve"] = [(rec["step"], rec["loss"]) for rec in _read_jsonl(rdir / "metrics.jsonl") if "loss" in rec]
 
-        # 3. convert, export, parity gate
-        converted = Q.convert(lm)
-        converted.packed = {k: v.to("cpu") for k, v in converted.packed.items()}
-        converted.dense = {k: v.cpu() for k, v in converted.dense.items()}
-        converted.input_amax = {k: v.cpu() for k, v in converted.input_amax.items()}
-        if converted.source_dir is None:
-            converted.source_dir = str(model_dir)
-        r["exports"] = []
-        from .exporters import export, verify
-        for engine_name, flavour in tg.exports:
-            edir = out / "exports" / f"{key}-{engine_name}-{flavour}"
-            e: Dict[str, Any] = {"engine": engine_name, "flavour": flavour, "path": str(edir)}
-            te = time.time()
-            try:
-                res = export(converted, str(edir), engine=engine_name, flavour=flavour, force=True)
-                e["files"] = res.files
-                e["bytes"] = _dir_bytes(edir)
-                e["serve"] = serve_command(engine_name, flavour, edir)
-                if verify_exports:
-                    v = verify(edir, converted)
-                    e["ok"] = bool(v.ok)
-                    e["verdict"] = v.verdict
-                    e["checks"] = len(v.checks)
-                    e["failed"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.failures][:10]
-                    e["not_run"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.incomplete][:10]
-                    e["install"] = v.to_install()
-                    e["logits"] = {k: v.logits[k] for k in v.logits} if isinstance(v.logits, dict) else {}
-                    (edir.parent / f"{edir.name}.verify.txt").write_text(v.table())
-                else:
-                    e["ok"] = None
-            except Exception as ex:   # one engine's refusal must not hide the others' results
-                e["ok"] = False
-                e["error"] = f"{type(ex).__name__}: {ex}"
-            e["seconds"] = time.time() - te
-            _say(f"[{key}] export {engine_name}/{flavour}: {_verdict(e)}")
-            r["exports"].append(e)
+        # 3. convert, then ship to each engine: export + the parity gate
+        converted = _cpu_converted(lm, model_dir)
+        r["exports"] = [_ship_one(converted, key, engine_name, flavour, out, verify_exports)
+                        for engine_name, flavour in tg.exports]
         r["seconds"] = time.time() - tt
         del engine, lm, converted, summary
         gc.collect()
@@ -609,14 +574,49 @@ def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: 
     return results
 
 
-def _export_ptq_gguf(Q, m, model_dir: Path, edir: Path) -> str:
-    from .exporters import export
-    cm = Q.convert(m)
+def _cpu_converted(model, model_dir: Path):
+    """convert() of a student, its tensors on the CPU (the exporters write from there)."""
+    cm = Q.convert(model)
     cm.packed = {k: v.to("cpu") for k, v in cm.packed.items()}
     cm.dense = {k: v.cpu() for k, v in cm.dense.items()}
+    cm.input_amax = {k: v.cpu() for k, v in cm.input_amax.items()}
     if cm.source_dir is None:
         cm.source_dir = str(model_dir)
-    export(cm, str(edir), engine="llama_cpp", force=True)
+    return cm
+
+
+def _ship_one(converted, key: str, engine_name: str, flavour: str, out: Path, verify_exports: bool) -> Dict[str, Any]:
+    """One export through ship() (export + gate; a gate that does not PASS moves it to .FAILED), as
+    the report's row; one engine's refusal is recorded and does not hide the others' results."""
+    edir = out / "exports" / f"{key}-{engine_name}-{flavour}"
+    e: Dict[str, Any] = {"engine": engine_name, "flavour": flavour, "path": str(edir)}
+    te = time.time()
+    try:
+        sh = ship(converted, engine_name, flavour, edir, verify=verify_exports, force=True)
+        e["path"], e["files"] = str(sh.path), sh.files
+        e["bytes"] = _dir_bytes(sh.path)
+        e["serve"] = serve_command(engine_name, flavour, sh.path)
+        v = sh.report
+        e["ok"] = None if v is None else bool(v.ok)
+        if v is not None:
+            e["verdict"] = v.verdict
+            e["checks"] = len(v.checks)
+            e["failed"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.failures][:10]
+            e["not_run"] = [f"{c.tensor}: {c.check}: {c.detail}" for c in v.incomplete][:10]
+            e["install"] = v.to_install()
+            e["logits"] = {k: v.logits[k] for k in v.logits} if isinstance(v.logits, dict) else {}
+            (edir.parent / f"{edir.name}.verify.txt").write_text(v.table())
+    except Exception as ex:   # noqa: BLE001 - one engine's refusal must not hide the others' results
+        e["ok"] = False
+        e["error"] = f"{type(ex).__name__}: {ex}"
+    e["seconds"] = time.time() - te
+    _say(f"[{key}] export {engine_name}/{flavour}: {_verdict(e)}")
+    return e
+
+
+def _export_ptq_gguf(m, model_dir: Path, edir: Path) -> str:
+    cm = _cpu_converted(m, model_dir)
+    ship(cm, "llama_cpp", None, edir, verify=False, force=True)
     return str(edir / "model.gguf")
 
 
@@ -690,166 +690,6 @@ def _environment() -> Dict[str, str]:
         except md.PackageNotFoundError:
             pass
     return env
-
-
-# ----------------------------------------------------------------------------- report
-def make_plots(results: Dict[str, Any], out: Path) -> List[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    pdir = out / "plots"
-    pdir.mkdir(exist_ok=True)
-    keys = list(results["targets"])
-    written = []
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    x = range(len(keys))
-    w = 0.38
-    for ax, metric, title in ((axes[0], "kl", "held-out KL(teacher || student), nats/token (log)"),
-                              (axes[1], "ppl", "held-out perplexity")):
-        ptq = [results["targets"][k]["ptq"][metric] for k in keys]
-        qad = [results["targets"][k]["qad"][metric] for k in keys]
-        ax.bar([i - w / 2 for i in x], ptq, w, label="PTQ", color="#d08770")
-        ax.bar([i + w / 2 for i in x], qad, w, label="QAD", color="#5e81ac")
-        if metric == "kl":      # the targets differ by 40x: a log axis keeps the smallest readable
-            ax.set_yscale("log")
-        if metric == "ppl":
-            ax.axhline(results["teacher"]["ppl"], color="k", ls="--", lw=1, label=f"teacher ({_short(results)})")
-            lo = min(ptq + qad + [results["teacher"]["ppl"]])
-            ax.set_ylim(lo * 0.95, max(ptq + qad) * 1.02)
-        ax.set_xticks(list(x))
-        ax.set_xticklabels([results["targets"][k]["label"] for k in keys], fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = pdir / "ptq_vs_qad.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
-
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for k in keys:
-        curve = results["targets"][k].get("loss_curve") or []
-        if curve:
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=results["targets"][k]["label"])
-        ptq = results["targets"][k]["ptq"]["kl"]
-        ax.axhline(ptq, ls=":", lw=1, color=ax.lines[-1].get_color() if ax.lines else "gray")
-    ax.set_xlabel("QAD step")
-    ax.set_ylabel("training loss (KL to teacher)")
-    ax.set_title("QAD training loss (dotted: held-out PTQ KL)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = pdir / "qad_loss.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
-    return written
-
-
-def _short(results: Dict[str, Any]) -> str:
-    return {"bfloat16": "bf16", "float32": "fp32"}.get((results.get("compute") or {}).get("dtype"), "bf16")
-
-
-def _verdict(e: Dict[str, Any]) -> str:
-    if e.get("error"):
-        return "FAIL (" + e["error"][:120] + ")"
-    if e.get("verdict") == "INCOMPLETE":
-        return "INCOMPLETE (" + ("; ".join(e.get("install") or []) or "a check was not run") + ")"
-    return e.get("verdict") or {True: "PASS", False: "FAIL", None: "not run"}[e.get("ok")]
-
-
-def report_markdown(results: Dict[str, Any], out: Path, plots: List[Path]) -> str:
-    s = results["settings"]
-    T = results["teacher"]
-    L = []
-    L.append("# qatfactory demo report\n")
-    L.append(f"Model: `{results['model_dir']}` ({results['params'] / 1e6:.1f}M parameters, {_short(results)} teacher). "
-             f"Run time {_fmt_s(results['seconds'])} (estimated {_fmt_s(results['estimate_s'])}).\n")
-    d = results["data"]
-    L.append(f"Data: English Wikipedia lead sections ({d['source'].get('package')}, {d['source'].get('license')}); "
-             f"{d['split_rule']}. Used here: {d['articles']['calib']} calibration, {d['articles']['train']} training "
-             f"and {d['articles']['eval']} held-out articles, packed into {s['seq_len']}-token samples; held-out "
-             f"evaluation on {T['tokens']:.0f} tokens. Wheel sha256 `{d['source'].get('wheel_sha256')}`.\n")
-    lrs = ", ".join(f"{r['label']} {r['lr']:g} ({r['teacher']} teacher)" for r in results["targets"].values())
-    L.append(f"QAD: {s['steps']} steps x {s['micro_batch']} x {s['seq_len']} tokens per target, AdamW, constant "
-             f"learning rate: {lrs}; forward KL to the {_short(results)} teacher, seed {s['seed']}.\n")
-    c = results.get("compute") or {}
-    if c:
-        L.append(f"Compute: {c.get('dtype')} ({c.get('why')}); "
-                 + (f"{c['threads']} intra-op thread(s) at the start ({c.get('threads_why')}; per target: "
-                    + ", ".join(f"{k} {r.get('threads')}" for k, r in results["targets"].items()) + ")"
-                    if c.get("threads") else "on a GPU")
-                 + f"; expected {_fmt_s(results['estimate_s'])}, took {_fmt_s(results['seconds'])}.\n")
-    L.append("## Held-out accuracy (KL to the teacher: lower is better)\n")
-    L.append("| target | model | KL (nats/token) | perplexity | top-1 agreement | bits/weight (quantized linears) "
-             "| bits/param (whole model) |")
-    L.append("|---|---|---:|---:|---:|---:|---:|")
-    L.append(f"| - | teacher {_short(results)} | {T['kl']:.4f} | {T['ppl']:.3f} | {T['top1']:.3f} | 16 | 16 |")
-    for k, r in results["targets"].items():
-        b = r["bits"]
-        for stage in ("ptq", "qad"):
-            m = r[stage]
-            L.append(f"| {r['label']} | {stage.upper()} | {m['kl']:.4f} | {m['ppl']:.3f} | {m['top1']:.3f} | "
-                     f"{b['bits_quantized']:.3f} | {b['bits_all']:.3f} |")
-    L.append("")
-    for k, r in results["targets"].items():
-        p, q = r["ptq"]["kl"], r["qad"]["kl"]
-        rel = 100.0 * (p - q) / p if p > 0 else 0.0
-        what = f"QAD recovers {rel:.1f}% of the PTQ KL" if q < p else f"QAD does NOT beat PTQ: KL rises {-rel:.1f}%"
-        L.append(f"- **{r['label']}**: {what} ({p:.4f} -> {q:.4f}); formats used: "
-                 + ", ".join(f"{f} ({n / 1e6:.2f}M weights)" for f, n in sorted(r["bits"]["params_by_format"].items()))
-                 + ".")
-    beats = all(r["qad"]["kl"] < r["ptq"]["kl"] for r in results["targets"].values())
-    L.append(f"\nQAD beats PTQ on held-out KL for every target: **{'yes' if beats else 'NO'}**.\n")
-    for p in plots:
-        L.append(f"![{p.stem}]({p.relative_to(out)})\n")
-    from .llama_compare import report_lines
-    L.extend(report_lines(results.get("llama_cpp"), out))
-    L.append("## Exports and the parity gate\n")
-    L.append("The gate reloads each export with third-party code (compressed-tensors, gguf-py/libggml, a "
-             "transcription of vLLM's ModelOpt decode) and compares bytes, weights and logits with the trained "
-             "student (`exporters/verify.py`).\n")
-    L.append("| target | engine / flavour | parity gate | size | path |")
-    L.append("|---|---|---|---:|---|")
-    for k, r in results["targets"].items():
-        for e in r["exports"]:
-            size = f"{e['bytes'] / 2**20:.1f} MiB" if "bytes" in e else "-"
-            L.append(f"| {r['label']} | {e['engine']} / {e['flavour']} | {_verdict(e)} | {size} | `{e['path']}` |")
-    L.append("")
-    L.append("## Serve them\n")
-    L.append("```sh")
-    for k, r in results["targets"].items():
-        for e in r["exports"]:
-            if e.get("serve"):
-                L.append(f"# {r['label']} -> {e['engine']} ({e['flavour']})")
-                L.append(e["serve"])
-    L.append("```\n")
-    L.append("## Reproduce one QAD run\n")
-    for k, r in results["targets"].items():
-        L.append(f"- {r['label']}: trainer run `{r['trainer']['run_dir']}` ({r['trainer']['time_s']:.0f} s); "
-                 f"command:\n\n  ```sh\n  {r['train_command']}\n  ```")
-    L.append("")
-    L.append("Environment: " + ", ".join(f"{k} {v}" for k, v in results["environment"].items()) + ".\n")
-    L.append("Raw numbers: `results.json`. Every number above was computed in this run.\n")
-    return "\n".join(L)
-
-
-def summary_lines(results: Dict[str, Any]) -> List[str]:
-    lines = [f"{'target':28s}{'KL ptq':>10s}{'KL qad':>10s}{'ppl ptq':>10s}{'ppl qad':>10s}{'bits':>7s}  exports"]
-    T = results["teacher"]
-    lines.append(f"{'teacher ' + _short(results):28s}{'':>10s}{'':>10s}{T['ppl']:>10.3f}{'':>10s}{16:>7d}")
-    for k, r in results["targets"].items():
-        ex = ", ".join(f"{e['engine']}/{e['flavour']} {_verdict(e)}" for e in r["exports"])
-        lines.append(f"{r['label']:28s}{r['ptq']['kl']:>10.4f}{r['qad']['kl']:>10.4f}{r['ptq']['ppl']:>10.3f}"
-                     f"{r['qad']['ppl']:>10.3f}{r['bits']['bits_quantized']:>7.2f}  {ex}")
-    lc = results.get("llama_cpp") or {}
-    if lc.get("status") == "ok":
-        for x in lc["rows"]:
-            lines.append(f"  llama.cpp: {x['family']} {x['label']}: KL {x['kl']:.4f}, ppl {x['ppl']:.3f}, "
-                         f"{x['bytes'] / 2**20:.1f} MiB")
-    elif lc:
-        lines.append(f"  llama.cpp numbers not measured: {lc.get('reason')}")
-    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

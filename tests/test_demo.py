@@ -97,6 +97,22 @@ def test_demo_caches_data_and_teacher(demo_run):
     assert len(list((cache / "teacher-cache").glob("*/train/meta.json"))) == 1
 
 
+def test_demo_train_command_reproduces_its_config(tmp_path):
+    """The trainer config the demo builds as an object is the one its report's command line composes."""
+    import shlex
+
+    from qatfactory.train.config import compose, to_dict
+    s = demo.settings_from(demo.parse_args(["--quick", "--lr", "1e-3"]))
+    for dt in ("float32", "bfloat16"):
+        s.dtype = dt
+        data = {"train": str(tmp_path / "a dir" / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")}
+        for key, t in demo.TARGETS.items():
+            cfg, over = demo.train_config(t, s, tmp_path / "model", data, tmp_path / "run", tmp_path / "tc", "cpu")
+            assert cfg.method.name == ("qad" if t.teacher == "live" else "qad_cached")
+            assert cfg.train.lr == float(f"{s.lr * t.lr_scale:g}") and cfg.data.train == [data["train"]]
+            assert to_dict(compose(shlex.split(" ".join(shlex.quote(o) for o in over)))) == to_dict(cfg), key
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--targets", "nvfp5"], "allowed: \\['nvfp4', 'mxfp4', 'q4_k', 'mxfp4_gguf', 'nvfp4_gguf'\\]"),
     (["--steps", "0"], "--steps=0; allowed: an int >= 1"),

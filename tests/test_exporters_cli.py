@@ -95,3 +95,24 @@ def test_cli_gguf(student_dir, tmp_path, capsys):
     assert "not a qatfactory export" in capsys.readouterr().err
     # GGUF without llama.cpp's runtime, by choice: INCOMPLETE, never PASS
     assert main(["verify", str(out), "--against", str(student_dir), "--no-llama-cpp"]) == INCOMPLETE
+
+
+def test_export_verify_moves_a_failing_export_aside(student_dir, tmp_path, capsys, monkeypatch):
+    """`export --verify` goes through ship(): one flipped weight byte on its way to disk, the gate FAILs
+    (exit 1), the export is moved to OUT.FAILED with FAILED.json naming the tensor; nothing is left at OUT."""
+    import qatfactory.exporters.vllm as V
+    real = V.save_sharded
+
+    def tampered(tensors, out, **kw):
+        k = next(n for n in sorted(tensors) if n.endswith("o_proj.weight"))
+        t = tensors[k].clone()
+        t.view(torch.uint8).reshape(-1)[0] ^= 0x11
+        return real({**tensors, k: t}, out, **kw)
+    monkeypatch.setattr(V, "save_sharded", tampered)
+    out = tmp_path / "vllm"
+    assert main(["export", str(student_dir), "--engine", "vllm", "--out", str(out), "--verify"]) == FAIL
+    text = capsys.readouterr().out
+    assert "verdict: FAIL" in text and str(tmp_path / "vllm.FAILED") in text
+    assert not out.exists()
+    rec = json.loads((tmp_path / "vllm.FAILED" / "FAILED.json").read_text())
+    assert rec["verdict"] == "FAIL" and any("o_proj" in r for r in rec["reasons"])

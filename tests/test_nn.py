@@ -185,7 +185,8 @@ def test_w4a4_experts_need_an_implementation_that_exposes_the_down_input():
 
 def test_group_amax_is_cached_only_inside_the_trainer_epoch():
     """q/k/v share one amax: equal to max|W| over the group; inside step_cache.enabled() it is kept
-    until weights_changed(); outside, a weight change shows at once."""
+    until weights_changed() or an in-place write to a member (version counter); a write through
+    ``.data`` is not seen until weights_changed(); outside, a weight change shows at once."""
     from qatfactory.nn import step_cache
     from qatfactory.quantize import QuantConfig, prepare
     from tests.quant_helpers import tiny
@@ -201,11 +202,15 @@ def test_group_amax_is_cached_only_inside_the_trainer_epoch():
     assert float(q.group_amax()) == 2 * want          # no cache outside the trainer
     with step_cache.enabled():
         a = q.group_amax()
+        assert v.group_amax() is a and k.group_amax() is a      # same epoch: one computation per group
         with torch.no_grad():
-            k.weight[0, 0] = 4 * want
-        assert v.group_amax() is a and float(a) == 2 * want     # same epoch: one computation per group
-        step_cache.weights_changed()
+            k.weight[0, 0] = 4 * want                           # in place: the version counter moves
         assert float(v.group_amax()) == 4 * want
+        b = q.group_amax()
+        k.weight.data[0, 0] = 8 * want                          # .data has a counter of its own
+        assert v.group_amax() is b and float(b) == 4 * want
+        step_cache.weights_changed()
+        assert float(v.group_amax()) == 8 * want
     with torch.no_grad():
         k.weight[0, 0] = float("nan")
     assert torch.isnan(q.group_amax()).all()        # NaN is not hidden by the reduction

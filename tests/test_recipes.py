@@ -34,7 +34,7 @@ def test_recipe_composes(group, name):
     if group == "format":
         assert cfg.quant.name == name
     if group == "method":
-        assert cfg.method.name == (name if name != "qad_cached" else "qad")
+        assert cfg.method.name == name          # one recipe per registered method, named as it
 
 
 @pytest.mark.parametrize("over,check", [
@@ -49,6 +49,28 @@ def test_recipe_composes(group, name):
 ])
 def test_documented_combinations(over, check):
     assert check(compose(over))
+
+
+def test_method_recipes_map_one_to_one_to_the_registered_methods():
+    from qatfactory.train.methods import BUILTIN, REGISTRY
+    files = sorted(p.stem for p in (recipes_dir() / "method").glob("*.yaml"))
+    assert files == sorted(m.name for m in BUILTIN)
+    for name in files:
+        assert REGISTRY[name].__module__ == f"qatfactory.train.methods.{name}", name    # one file per method
+    # a method's option block is a field of the schema, of the method's declared type
+    for m in BUILTIN:
+        if m.options_key:
+            assert isinstance(getattr(compose([f"method={m.name}"]).method, m.options_key), m.options), m.name
+
+
+def test_unknown_method_lists_the_registered_ones():
+    from qatfactory.exitcodes import UsageError
+    from qatfactory.train.methods import method_names
+    for over in (["method=sft9"], ["method.name=sft9"]):
+        with pytest.raises(UsageError) as e:
+            compose(over)
+        msg = str(e.value)
+        assert "sft9" in msg and str(method_names()) in msg and "plugins=[" in msg, msg
 
 
 def test_recipe_files_are_the_groups_of_the_schema():
@@ -91,3 +113,20 @@ def test_quantconfig_presets_are_the_format_recipes():
     assert QuantConfig.preset("q4_k", quantize_embeddings=False).quantize_embeddings is False
     with pytest.raises(ValueError, match=r"unknown recipe 'bf16'.*recipes/format"):
         QuantConfig.preset("bf16")
+
+
+def test_to_overrides_gives_back_the_config():
+    """A RunConfig built as an object (the demo's) has a command line: compose(groups + to_overrides) == it,
+    for paths with spaces and quotes, nulls, booleans, lists and small floats."""
+    from qatfactory.train.config import to_dict, to_overrides, validate
+    groups = ["model=local", "data=files", "format=q4_k", "method=qad_cached", "train=default"]
+    cfg = compose(["format=q4_k", "method=qad_cached", "train=default"])
+    cfg.model.name, cfg.model.path, cfg.model.dtype = "local", "/models/my model's dir", "float32"
+    cfg.data.train, cfg.data.eval, cfg.data.max_docs = ["/d/a b.jsonl", "/d/c,d.txt"], [], None
+    cfg.train.lr, cfg.train.plots, cfg.method.teacher_cache = 3e-05, False, "/tmp/tc=1"
+    cfg.quant.kv_format, cfg.run_dir = None, "runs/x"
+    cfg = validate(cfg)
+    over = to_overrides(cfg, groups)
+    assert "train.lr=3e-05" in over and "train.plots=false" in over and "model.dtype=float32" in over
+    assert not any(o.startswith(("train.zero_stage=", "method.topk=")) for o in over)   # as the recipes say
+    assert to_dict(compose(groups + over)) == to_dict(cfg)

@@ -63,10 +63,10 @@ def one_thread():
 
 
 def _run(run_dir, *over):
+    from qatfactory.ship import train_and_ship
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
     cfg = compose([*SAY7, f"run_dir={run_dir}", "method.rl.prompts_per_step=2", *over])
-    s = run(cfg)
+    s = train_and_ship(cfg)
     s.pop("engine").destroy()
     return s
 

@@ -49,8 +49,8 @@ def _metrics(run_dir):
 
 
 def test_train_merge_export_passes_the_gate_with_the_code_plane_hook(base, tmp_path):
+    from qatfactory.ship import train_and_ship as run
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
     s = run(compose(_common(base) + ["train.max_steps=12", "train.micro_batch=4", "export=vllm",
                                      "export.flavour=compressed-tensors", f"run_dir={tmp_path / 'r'}"]))
     s.pop("engine").destroy()

@@ -31,7 +31,7 @@ def test_plain_loops_run_and_show_what_bf16_params_lose():
     # one AdamW step at lr 5e-6: most bf16 weights round back to themselves, fp32 masters all move
     assert fp["weights_changed_by_step_1"] > 0.9 > bf["weights_changed_by_step_1"]
     # ModelOpt's NVFP4 fake quant is CUDA-only: on a CPU the row says so instead of timing something else
-    assert "CUDA only" in rows["ModelOpt W4A16 QAT, bf16 params"]["error"]
+    assert "CUDA only" in rows["ModelOpt W4A16 QAT, bf16 params"]["not_run"]
 
 
 def test_table_and_goals_from_rows():
@@ -47,3 +47,37 @@ def test_table_and_goals_from_rows():
     assert "| ours: QAT W4A16 (CE) | 11.0 | 10.0..12.0 |" in t and "1.38x" in t and "98.0%" in t
     assert "| QAT W4A16 (CE) vs ModelOpt W4A16 QAT, fp32 masters | 1.00 | <= 1.00 | yes |" in t
     assert "| ModelOpt W4A4 QAT, fp32 masters | failed |" in t
+
+
+def test_profile_summary_takes_the_union_of_gpu_intervals():
+    import step_profile
+    ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000},
+          {"ph": "X", "cat": "kernel", "name": "fq", "ts": 500, "dur": 1000},      # overlaps: 1.5 ms busy
+          {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 4000, "dur": 500},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5},
+          {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 10, "dur": 5},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 20, "dur": 5},
+          {"ph": "i", "cat": "kernel", "name": "not a span", "ts": 0}]
+    s = step_profile.summarize_trace(ev, steps=2)
+    assert s["gpu_busy_ms_per_step"] == 1.0 and s["kernels_per_step"] == 1.5 and s["launches_per_step"] == 1.0
+    assert s["window_ms_per_step"] == 2.25 and s["top_kernels"][0]["name"] in ("gemm", "fq")
+    assert step_profile.summarize_trace([], steps=1)["gpu_busy_ms_per_step"] is None
+
+
+def test_report_pairs_before_and_after_and_says_what_did_not_run():
+    runs = {"QAT W4A16 (CE)" + step.BEFORE: [{"ms_per_step": 20.0, "peak_mem_gib": 2.0, "round": 0}],
+            "QAT W4A16 (CE)": [{"ms_per_step": 15.0, "peak_mem_gib": 3.0, "round": 0,
+                                "profile": {"gpu_busy_ms_per_step": 12.0, "kernels_per_step": 900.0,
+                                            "launches_per_step": 950.0, "cpu_ops_per_step": 0.0,
+                                            "top_kernels": [{"name": "gemm", "ms_per_step": 6.0}]}}],
+            "ModelOpt W4A16 QAT, fp32 masters": [{"not_run": "CUDA only (x)", "round": 0}]}
+    order = [("peer", "ModelOpt W4A16 QAT, fp32 masters"), ("ours", "QAT W4A16 (CE)" + step.BEFORE),
+             ("ours", "QAT W4A16 (CE)")]
+    args = step.argparse.Namespace(model="smoke", batch=2, seq=64, steps=4, warmup=1, format="nvfp4", device="cpu",
+                                   repeat=2, profile_steps=2)
+    md, rows = step.report(order, runs, ["round 1: 'x' not run (budget)"], args)
+    assert [r["variant"] for r in rows][-1] == "ModelOpt W4A16 QAT, fp32 masters"      # ours first
+    assert "| QAT W4A16 (CE) | 20.0 | 15.0 | 0.75 | 2.0 | 3.0 |" in md
+    assert "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only (x) |" in md
+    assert "| QAT W4A16 (CE) | 15.0 | 12.0 | 3.0 | 80% | 900 | 950 | gemm (6.0) |" in md
+    assert "not run (budget)" in md

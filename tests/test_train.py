@@ -13,9 +13,10 @@ BASE = ["train=cpu_tiny", "data.synthetic=16", "data.seq_len=32", "data.eval_sam
 
 
 def _run(run_dir, *over, eval_only=False):
-    from qatfactory.train.engine import run
+    # the trainer, then the face's shipping when the run asks for an export (what `qatfactory train` does)
+    from qatfactory.ship import train_and_ship
     cfg = compose(BASE + [f"run_dir={run_dir}", *over])
-    s = run(cfg, eval_only=eval_only)
+    s = train_and_ship(cfg, eval_only=eval_only)
     s.pop("engine").destroy()
     return s
 

@@ -110,3 +110,27 @@ def test_lr_schedules():
     assert [cos(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert cos(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert cos(14) == pytest.approx(0.1) and cos(100) == pytest.approx(0.1)
+
+
+def test_uniform_random_tokens_exclude_special_ids_and_eval_on_real_text(tmp_path):
+    """data.synthetic_kind=uniform (the QAD report's random-token data): ids uniform over the vocabulary
+    minus the tokenizer's special tokens, different per seed; data.eval files are the held-out set."""
+    (tmp_path / "ho.txt").write_text("held out text " * 20)
+    cfg = DataConfig(synthetic=400, synthetic_kind="uniform", seq_len=64, eval=[str(tmp_path / "ho.txt")])
+    tr, ev = load_data(cfg, TOK, 259, seed=3)
+    assert tr.input_ids.shape == (400, 64)
+    ids = tr.input_ids.flatten()
+    assert int(ids.max()) == 255 and int(ids.min()) == 0            # 256 BOS, 257 EOS, 258 PAD never drawn
+    counts = torch.bincount(ids, minlength=256).double()
+    n = ids.numel() / 256
+    chi2 = float(((counts - n) ** 2 / n).sum())
+    assert chi2 < 400                                               # 255 dof: mean 255, sd ~23
+    assert ev.input_ids[0, :14].tolist() == list(b"held out text ")
+    tr2, _ = load_data(cfg, TOK, 259, seed=4)
+    assert not torch.equal(tr.input_ids, tr2.input_ids)
+    assert torch.equal(load_data(cfg, TOK, 259, seed=3)[0].input_ids, tr.input_ids)
+    # the structured kind keeps its synthetic held-out tail when no eval files are given
+    tr3, ev3 = load_data(DataConfig(synthetic=10, eval_samples=2, seq_len=16), TOK, 259, seed=0)
+    assert torch.equal(torch.cat([tr3.input_ids, ev3.input_ids]), synthetic_samples(12, 16, 259, 0).input_ids)
+    with pytest.raises(ValueError, match="synthetic_kind='normal'; allowed"):
+        DataConfig(synthetic=2, synthetic_kind="normal")

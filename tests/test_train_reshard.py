@@ -31,11 +31,15 @@ import torch
 from rank_launch import launch, losses
 from test_train import _run
 
+# method.loss.fused=false: the fused KL/CE chunks (issue 17) reduce in an order that depends on the per-rank
+# batch, so a run that changes its world size continues within fp32 rounding, not bit for bit; the
+# unfused loss keeps the bit-for-bit claim this file makes (measured after the merge: the 1 -> 2 ZeRO-2
+# resume's fp32 masters differed in the last bits with fused chunks, equal without)
 COMMON = ["method=qad", "format=nvfp4_w4a4", "quant.scale_strategy=learnable", "train=cpu_tiny", "model.dtype=float32",
           "model.tiny.initializer_range=0.3", "data.synthetic=24", "data.seq_len=32", "data.eval_samples=4",
           "train.eval_every=0", "train.max_steps=4", "train.save_every=2", "train.keep_last=5", "train.lr=1e-3",
           "train.micro_batch=1", "train.save_student=false", "train.plots=false", "train.tensorboard=false",
-          "method.calib_samples=2"]
+          "method.calib_samples=2", "method.loss.fused=false"]
 CUT = 2
 
 

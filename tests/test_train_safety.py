@@ -323,7 +323,7 @@ def test_a_failing_gate_fails_the_training_and_marks_the_export(tmp_path, capsys
 def test_gate_verdicts_map_to_exit_codes():
     from types import SimpleNamespace as NS
 
-    from qatfactory.train.engine import gate_summary
+    from qatfactory.ship import gate_summary
     ok = NS(ok=True, checks=[NS(tensor="t", check="bytes", status="ok", detail="")])
     assert gate_summary(ok)["verdict"] == "PASS" and cli._gate_code({"verify": gate_summary(ok)}) == 0
     inc = NS(ok=False, verdict="INCOMPLETE",

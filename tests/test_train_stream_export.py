@@ -27,17 +27,18 @@ import json, sys
 from pathlib import Path
 import torch
 from qatfactory.train.config import compose
-from qatfactory.train.engine import run
+from qatfactory.ship import train_and_ship
 out, engines, over = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
-s = run(compose(over))
+s = train_and_ship(compose(over))   # the trainer (its ZeRO-3 hand-over streams), then the face ships
 engine = s.pop("engine")
 rank = torch.distributed.get_rank()
 student = engine.module
 from qatfactory import quantize as Q
 from qatfactory.exporters import export, verify
-from qatfactory.train.engine import gate_summary
+from qatfactory.ship import gate_summary
 from qatfactory.train.stream_export import cpu_student
-rec = {"trainer": {"verify": s.get("verify"), "gather": s.get("gather"), "export_dir": s.get("export_dir")}}
+rec = {"trainer": {"verify": s.get("verify"), "gather": getattr(s.get("student"), "gather", None),
+                   "export_dir": s.get("export_dir")}}
 lm, rec["gather"] = cpu_student(student.lm, rank)            # once more, for the format's other engines
 if rank == 0:
     for e in engines[1:]:

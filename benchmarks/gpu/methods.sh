@@ -49,7 +49,7 @@ args_for() {
             echo "${T_STEP:-330}|bash benchmarks/gpu/step.sh" ;;
         scale_qlora)  # issue 18
             [ $p = probe ] && echo "120|$PY benchmarks/papers/scale_qlora.py --out $d --steps 3 --n-train 96 --n-eval 16 --gen-tokens 32" \
-                           || echo "${T_SCALE_QLORA:-240}|$PY benchmarks/papers/scale_qlora.py --out $d --n-eval 128 --gen-tokens 160" ;;
+                           || echo "${T_SCALE_QLORA:-240}|$PY benchmarks/papers/scale_qlora.py --out $d ${SCALE_ARGS:---n-eval 128 --gen-tokens 160}" ;;
         qerl)       # issue 20
             [ $p = probe ] && echo "150|$PY benchmarks/papers/qerl.py --out $d --steps 2 --level 1 --max-new-tokens 48" \
                            || echo "${T_QERL:-300}|$PY benchmarks/papers/qerl.py --out $d --steps ${QERL_STEPS:-20} --max-new-tokens 96" ;;

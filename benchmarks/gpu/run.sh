@@ -13,7 +13,7 @@
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
 # TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernels.py,
-# e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --profile W4A16"), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
+# e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --op-table W4A16"; the whole issue-17 table: benchmarks/gpu/step.sh), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
 # is limited to 600 s, so the defaults leave room for the machine's start), T_PIPE (stage pipeline's timeout,
 # default 360; the script's own budget is T_PIPE - 20 so it reports before the kill), PIPE_ARGS (for pipeline.py,
 # e.g. "--parts 1 --p1-steps 8 --p1-ckpt 4").
@@ -61,7 +61,7 @@ for stage in $STAGES; do
             timeout "$T_BENCH" python3 benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.log" ;;
         step|export)
             if [ -f "benchmarks/$stage.py" ]; then
-                args=""; [ "$stage" = step ] && args=${STEP_ARGS:-}
+                args=""; [ "$stage" = step ] && args="--budget $(( T_BENCH - 30 )) ${STEP_ARGS:-}"
                 timeout "$T_BENCH" python3 "benchmarks/$stage.py" --out "$OUT" $args 2>&1 | tee "$OUT/bench_$stage.log"
             else
                 echo "benchmarks/$stage.py not present: skipped"

@@ -91,9 +91,10 @@ def llama_in_features(hidden: int, inter: int, heads_x_dim: Optional[int] = None
 
 
 def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
-    """One trainer run (compose + run, engine released); returns its summary."""
+    """One trainer run (compose + run, shipped when it asks for an export, engine released); returns
+    its summary."""
+    from qatfactory.ship import train_and_ship as run
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
     cfg = compose(list(overrides))
     s = run(cfg)
     eng = s.pop("engine", None)

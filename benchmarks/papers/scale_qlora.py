@@ -226,15 +226,15 @@ def change_vs_base(base_cm, cm) -> Dict[str, Any]:
     codes = scales = nc = ns = g = 0
     for n, p in base_cm.packed.items():
         q = cm.packed[n]
-        codes += int((C.unpack_pairs(q.codes) != C.unpack_pairs(p.codes)).sum())
+        codes += int((C.unpack_pairs(q.codes.cpu()) != C.unpack_pairs(p.codes.cpu())).sum())
         nc += p.codes.numel() * 2
         if q.scales.shape == p.scales.shape:
-            scales += int((q.scales != p.scales).sum())
+            scales += int((q.scales.cpu() != p.scales.cpu()).sum())
         ns += p.scales.numel()
         if p.global_scale is not None:
             g += int(q.global_scale is None or not torch.equal(
-                torch.as_tensor(q.global_scale).float().reshape(()).view(torch.int32),
-                p.global_scale.float().reshape(()).view(torch.int32)))
+                torch.as_tensor(q.global_scale).cpu().float().reshape(()).view(torch.int32),
+                p.global_scale.cpu().float().reshape(()).view(torch.int32)))
     return {"codes_changed": codes / max(nc, 1), "scales_changed": scales / max(ns, 1), "global_scales_changed": g,
             "sha_base": code_plane_sha256({n: p.codes for n, p in base_cm.packed.items()}),
             "sha_merged": code_plane_sha256({n: p.codes for n, p in cm.packed.items()})}

@@ -12,7 +12,9 @@ the model) and from llama.cpp's own runtime (llama_cpp_runtime.py).
 The GGML block layouts of the two repacked formats (NVFP4 type 40: 4 UE4M3 bytes + 32 bytes, byte j
 of each 16 = element j | element j+8 << 4; MXFP4 type 39: E8M0 + 16 bytes, element j | j+16 << 4;
 facts from ggml-common.h) are parsed here to compare codes and scale bytes with the student's; that
-parser is a second transcription of the layout, the value checks are gguf-py's and libggml's.
+parser is a second transcription of the layout, the value checks are gguf-py's and libggml's. Which GGUF
+type and codec family a packed tensor must be is what the student's format declares (its spec's ``gguf``
+record, formats/layouts.py): the student's truth, never the exporter's choice.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from qatfactory.formats import ConvertedModel, get_format
+from qatfactory.formats.layouts import Codec
 
 from .common import (act_decode_scale, compare_values, exact_logits_check, f32_bits, fake_quant, inside,
                      max_ulp, model_from_state_dict, module_of, names_sample, nonfinite, run_logits, student_logits,
@@ -39,8 +42,6 @@ ARCH = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "mixtral": ("LLAMA
         "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False), "qwen3_moe": ("QWEN3MOE", False)}
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)$")
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
-# GGML type of a repacked safetensors-numerics format
-_REPACKED = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 ACT_NOTE = ("llama.cpp's CPU backend quantizes activations to Q8_0/Q8_K (by weight type), not to the "
             "student's activation format; the .input_scale tensors are kept for backends that use them")
 
@@ -97,6 +98,9 @@ def unpack_pairs(codes: np.ndarray) -> np.ndarray:
 def parse_ggml_blocks(raw: np.ndarray, kind: str, k: int) -> Tuple[np.ndarray, np.ndarray]:
     """(codes [rows, K], scale bytes [rows, K/block]) of GGML NVFP4 / MXFP4 rows."""
     rows = raw.shape[0]
+    if kind not in ("NVFP4", "MXFP4"):
+        raise Malformed(f"no block parser for GGML type {kind} here (NVFP4, MXFP4): a student's pairs codec "
+                        f"repacked into {kind} cannot be compared code by code")
     if kind == "NVFP4":
         b = raw.reshape(rows, k // 64, 36)
         sc = b[..., :4].reshape(rows, k // 16)
@@ -252,13 +256,11 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
         return
     cache: Dict[str, Any] = {}
     try:
-        ref = _transformers_logits(res, d, path, reader, student, names, prompt, decoded, tolerated, cache)
+        _transformers_logits(res, d, path, reader, student, names, prompt, decoded, tolerated, cache)
     except Missing as e:
         res.missing("logits", "transformers GGUF", e)
-        ref = None
     except Exception as e:
         res.add("logits", "transformers GGUF", FAIL, f"the loader failed: {type(e).__name__}: {str(e)[:300]}")
-        ref = None
     if not llama_cpp:
         res.opted_out("logits", "llama.cpp runtime", "llama_cpp=False")
         return
@@ -395,12 +397,12 @@ def _raw(gguf, t, e) -> np.ndarray:
 
 def _packed(res, gguf, tensors, name, gname, e, p, student, mode, unpermute, cdeq, expected):
     spec = get_format(p.format).spec
-    from .safetensors import layout_of
-    lay = layout_of(p.format)
-    want_type = gguf.GGMLQuantizationType(spec.ggml_type).name if spec.ggml_type is not None else \
-        _REPACKED.get(lay)
-    if want_type is None:
-        raise Malformed(f"format {p.format} has no GGUF type")
+    # the GGUF type and codec family the student's format declares (its spec: the student's truth);
+    # the file is then read, parsed and decoded by gguf-py, libggml and this module's own block parser
+    if spec.gguf is None:
+        raise Malformed(f"format {p.format} declares no GGUF layout")
+    want_type = gguf.GGMLQuantizationType(int(spec.gguf.ggml_type)).name
+    repacked = spec.gguf.codec is not Codec.GGML_BLOCKS   # a pairs codec (E2M1 + E4M3 / E8M0), repacked
     t = tensors.get(gname)
     if t is None:
         raise Malformed(f"{gname} missing from the GGUF")
@@ -416,11 +418,11 @@ def _packed(res, gguf, tensors, name, gname, e, p, student, mode, unpermute, cde
         return None
     bad = []
     where = gname + (f"[{e}]" if e is not None else "")
-    if lay in _REPACKED and spec.ggml_type is None:
+    if repacked:
         codes, sc = parse_ggml_blocks(raw_hf, want_type, k)
         want_codes = unpack_pairs(p.codes.cpu().numpy())
         want_sc = p.scales.cpu().numpy()
-        if lay == "nvfp4":
+        if spec.gguf.codec is Codec.E2M1_E4M3_FP32:   # E4M3 block scales: GGML holds them as UE4M3 (no sign)
             if (want_sc & 0x80).any():
                 bad.append("the student has E4M3 scales with the sign bit set, which UE4M3 cannot hold")
             want_sc = want_sc & 0x7F

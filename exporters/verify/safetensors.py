@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 
 from qatfactory.formats import ConvertedModel, get_format
+from qatfactory.formats.layouts import Codec
 
 from .common import (EMBED, LM_HEAD, act_decode_scale, compare_hf_config, compare_values, exact_logits_check,
                      f32_bits, fake_quant, fused_groups, inside, max_ulp, model_from_state_dict, module_of,
@@ -35,7 +36,9 @@ from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
+# what each codec family is in a compressed-tensors checkpoint (this gate's own knowledge, not the spec's)
+NV, MX, INT4 = Codec.E2M1_E4M3_FP32, Codec.E2M1_E8M0, Codec.INT4_FP16
+CT_FORMAT = {NV: "nvfp4-pack-quantized", MX: "mxfp4-pack-quantized", INT4: "pack-quantized"}
 INDEX = "model.safetensors.index.json"
 # files an engine reads beside the weights, copied from the student's base model directory
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -46,19 +49,17 @@ VLLM_NOTE = ("vLLM/SGLang themselves have no CPU kernels for FP4 checkpoints: th
 
 
 # ============================================================================ student facts
-def layout_of(fmt: str) -> Optional[str]:
-    """'nvfp4' / 'mxfp4' when the format's numerics are the ones the safetensors containers hold; 'int4'
-    for a grid whose codes and per-row / per-group scales are compressed-tensors' int4 pack-quantized."""
-    if getattr(get_format(fmt), "compressed_tensors", None) == "pack-quantized":
-        return "int4"
+def layout_of(fmt: str) -> Optional[Codec]:
+    """The codec family the student's format declares for the safetensors containers (its spec's
+    ``safetensors`` record: the student's truth, not the exporter's), as the record labels it: 'nvfp4'
+    (E2M1 pairs + E4M3 per 16 + fp32 per-tensor scale), 'mxfp4' (E2M1 pairs + E8M0 per 32), 'int4'
+    (compressed-tensors int4 pack-quantized); None when the format declares no safetensors layout.
+    What each family must look like in the checkpoint is this gate's own knowledge (below), checked
+    with the containers' own libraries."""
     s = get_format(fmt).spec
-    if s.element != "e2m1" or s.nibble_order != "pairs" or s.role == "activation":
+    if s.safetensors is None or s.role == "activation":
         return None
-    if s.block_size == 16 and s.scale_codec == "e4m3" and s.global_scale is not None:
-        return "nvfp4"
-    if s.block_size == 32 and s.scale_codec == "e8m0" and s.global_scale is None:
-        return "mxfp4"
-    return None
+    return s.safetensors.codec
 
 
 def unquantized_linears(student: ConvertedModel) -> List[str]:
@@ -87,9 +88,9 @@ def expected_tensors(student: ConvertedModel, flavour: str, layout: str, mode: s
                 names.add(m + ".input_scale")
         else:
             names |= {m + ".weight_packed", m + ".weight_scale"}
-            if layout == "int4":
+            if layout is INT4:
                 names.add(m + ".weight_shape")
-            if layout == "nvfp4":
+            if layout is NV:
                 names.add(m + ".weight_global_scale")
                 if mode == "w4a4":
                     names.add(m + ".input_global_scale")
@@ -174,11 +175,11 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
                 "the student mixes W4A4 and W4A16 modules; the container holds one activation setting")
         return
     layout = lays.pop()
-    if flavour == "modelopt" and layout != "nvfp4":
+    if flavour == "modelopt" and layout is not NV:
         res.add("student", "representable", FAIL, f"ModelOpt checkpoints hold NVFP4 only; the student is {layout}")
         return
     engine = rec.get("engine")
-    if engine == "sglang" and layout == "mxfp4":
+    if engine == "sglang" and layout is MX:
         dense_mx = [module_of(n) for n in student.packed if ".experts." not in n]
         res.ok_or_fail("student", "SGLang scheme", not dense_mx,
                        "SGLang loads compressed-tensors MXFP4 for MoE experts only; dense MXFP4 linears: "
@@ -377,11 +378,11 @@ def _ct_config(res, qc, layout, mode, exclude, student=None):
                 source="compressed_tensors.QuantizationConfig")
         return None
     w, a = scheme.weights, scheme.input_activations
-    bs, strat = (16, "tensor_group") if layout == "nvfp4" else (32, "group")
+    bs, strat = (16, "tensor_group") if layout is NV else (32, "group")
     bad = []
     if qcfg.format != CT_FORMAT[layout]:
         bad.append(f"format={qcfg.format!r} (student: {CT_FORMAT[layout]})")
-    if layout == "int4":
+    if layout is INT4:
         want = _int4_schemes(student) if student is not None else set()
         got = (str(getattr(w.strategy, "value", w.strategy)), w.group_size) if w is not None else None
         if w is None or w.num_bits != 4 or str(getattr(w.type, "value", w.type)) != "int" or not w.symmetric or \
@@ -495,19 +496,19 @@ def _ct_tensor(res, m, name, sd, student, p, mode, layout, compressor, scheme) -
         raise Malformed(f"{m}.weight_packed / .weight_scale missing")
     bad = []
     local = {"weight_packed": w, "weight_scale": sf}
-    if layout == "int4":
+    if layout is INT4:
         _int4_bytes(m, sd, p, w, sf, bad, local)
         res.ok_or_fail(m, "bytes", not bad, "; ".join(bad) if bad else f"int4 codes {tuple(w.shape)} int32, scales "
                        f"{sf.dtype} {tuple(sf.shape)}", source="compressed_tensors unpack_from_int32")
         return _ct_decode(res, m, name, student, layout, compressor, scheme, local)
-    want_sdt = torch.float8_e4m3fn if layout == "nvfp4" else torch.uint8
+    want_sdt = torch.float8_e4m3fn if layout is NV else torch.uint8
     if w.dtype != torch.uint8 or not torch.equal(w, p.codes):
         bad.append(f"codes {w.dtype} {tuple(w.shape)} differ")
     if sf.dtype != want_sdt or not torch.equal(sf.contiguous().view(torch.uint8), p.scales):
         bad.append(f"block scales {sf.dtype} {tuple(sf.shape)} differ (want {want_sdt})")
-    if _nan_scales(sf, "e4m3" if layout == "nvfp4" else "e8m0"):
-        bad.append(f"{_nan_scales(sf, 'e4m3' if layout == 'nvfp4' else 'e8m0')} NaN block scales")
-    if layout == "nvfp4":
+    if _nan_scales(sf, "e4m3" if layout is NV else "e8m0"):
+        bad.append(f"{_nan_scales(sf, 'e4m3' if layout is NV else 'e8m0')} NaN block scales")
+    if layout is NV:
         g = _scalar(sd.get(m + ".weight_global_scale"), (1,), f"{m}.weight_global_scale")
         S = torch.as_tensor(p.global_scale, dtype=torch.float32)
         if f32_bits(g) != f32_bits(1.0 / S):
@@ -523,7 +524,7 @@ def _ct_tensor(res, m, name, sd, student, p, mode, layout, compressor, scheme) -
             else:
                 local["input_global_scale"] = ig
     res.ok_or_fail(m, "bytes", not bad, "; ".join(bad) if bad else f"codes {tuple(w.shape)} scales {sf.dtype} "
-                   f"{tuple(sf.shape)}" + (" G=1/S" if layout == "nvfp4" else ""))
+                   f"{tuple(sf.shape)}" + (" G=1/S" if layout is NV else ""))
     return _ct_decode(res, m, name, student, layout, compressor, scheme, local)
 
 
@@ -551,7 +552,7 @@ def _ct_decode(res, m, name, student, layout, compressor, scheme, local) -> Opti
         res.add(m, "weights", OK, f"exact in {str(got.dtype)[6:]}", 0.0, src)
         return got
     ulp = max_ulp(got.float(), want.to(got.dtype).float(), torch.bfloat16) if nonfinite(got) == 0 else 1 << 30
-    tolerated = layout == "nvfp4" and ulp <= 1
+    tolerated = layout is NV and ulp <= 1
     res.ok_or_fail(m, "weights", tolerated, f"{n}/{got.numel()} elements differ by <= {ulp} bf16 ulp" +
                    (" (CT stores G=1/S and divides: fp8/G != fp8*S in the last bit)" if tolerated else ""), mad, src)
     return got
@@ -678,7 +679,7 @@ def _logits(res, d, cfg, sd, student, prompt, flavour, layout, decoded) -> None:
         return
     is_moe = any(".experts." in n for n in student.packed)
     tr = need("transformers")
-    if layout == "nvfp4" and is_moe:
+    if layout is NV and is_moe:
         # transformers' fused-expert CT decompression drops weight_global_scale (exporters.md 7.1):
         # rebuild from compressed-tensors' own per-module decode, with the export's config
         sd2 = {k: v for k, v in sd.items() if not k.endswith((".weight_packed", ".weight_scale",

@@ -53,6 +53,18 @@ The price is recomputing the head matmuls: 2 (forward KL, CE, cached teachers) o
 JSD) forward passes over ``W`` instead of 1, for a peak of ``chunk_tokens * c`` floats per tensor.
 ``vocab_chunk >= V`` takes the unsliced path, so a default larger than a small vocabulary is free.
 
+Fused chunks (``fused``, the default; forward KL, with or without CE at temperature 1, and CE alone,
+live or top-k teacher, unsliced vocabulary). Instead of running autograd through the chunk's losses
+(which holds the student's and the teacher's logits, both log-softmaxes, the teacher's probabilities,
+their product and the backward's buffers at once), a chunk computes the loss with the same operations
+(so the value is bit for bit the autograd path's) and its logits gradient in closed form, in place
+over the log-softmax buffers: ``dL/dz = w kd tau (q - p) + w ce (softmax(z) - onehot)``. The teacher's
+logits are freed once their log-softmax exists, so at most three ``[chunk, V]`` float buffers live at a
+time (autograd's path holds about twice that).
+The gradient differs from autograd's in rounding only: ``q`` and ``p`` are each divided by their own
+computed row sum (a rounded log-sum-exp is one factor on a whole row), which the tests measure to be
+closer to float64 than autograd's ``q * sum(p) - p`` (tests/test_distill_fused.py).
+
 Arithmetic is float32, or float64 when the student's hidden states are float64 (the tests compare
 the sliced path with :func:`naive_lm_loss` there to 1e-10).
 """
@@ -80,6 +92,7 @@ class LossConfig:
     chunk_tokens: int = 1024     # tokens per chunk; memory ~ chunk_tokens * V * 4 bytes * 3
     vocab_chunk: Optional[int] = None   # vocabulary columns per slice (None: the whole vocabulary);
                                         # memory ~ chunk_tokens * vocab_chunk * 4 * 3, more head matmuls
+    fused: bool = True           # forward KL / CE: closed-form logits gradient per chunk (_fused_chunk)
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -361,6 +374,86 @@ def _vocab_sliced(h, w, teacher, labels, wt, cfg: LossConfig, vc: int, grad_h, g
     return total
 
 
+def _fusable(cfg: LossConfig, teacher) -> bool:
+    """The chunks _fused_chunk computes: forward KL (CE added only at temperature 1) or CE alone."""
+    if not cfg.fused:
+        return False
+    if cfg.kind == "ce":
+        return True
+    return cfg.kind == "forward_kl" and teacher is not None and (cfg.ce_coef == 0 or float(cfg.temperature) == 1.0)
+
+
+def _fused_chunk(student, teacher, labels: Optional[torch.Tensor], wt: torch.Tensor, cfg: LossConfig,
+                 grads: bool):
+    """(weighted loss sum, dL/dzs or None) of one token chunk (module docstring, fused chunks).
+
+    ``student()`` / ``teacher()`` make the chunk's logits (teacher: logits or a TopKTeacherOut) here, so
+    that no caller frame keeps them alive once used. They may be views of the caller's tensors (logits
+    given directly): they are only read; every buffer written in place is made here. The loss uses the
+    operations of _token_losses in the same order, so it is the same float."""
+    tau = float(cfg.temperature)
+    tch = teacher() if teacher is not None else None
+    zs = student()
+    n = zs.shape[0]
+    kd = cfg.kind != "ce" and cfg.kd_weight != 0
+    topk = isinstance(tch, TopKTeacherOut)
+    out = torch.zeros(n, dtype=zs.dtype, device=zs.device)
+    logp = None
+    if kd:
+        if topk:
+            logp = torch.log_softmax(tch.logprobs / tau, dim=-1)
+        else:
+            # x / 1.0 is x: the division is skipped, not the value changed
+            logp = torch.log_softmax(tch if tau == 1.0 else tch / tau, dim=-1)
+            tch = None                                           # the teacher's logits are done
+    # student: log softmax(zs / tau); CE needs it at temperature 1, which is then the same tensor
+    logq = torch.log_softmax(zs if tau == 1.0 or not kd else zs / tau, dim=-1)
+    zs = None
+    p = None
+    if kd:
+        # _xlogy_diff(logp, lq) with logp's buffer reused for the products: the same values
+        p = logp.exp()
+        d = logp.sub_(logq.gather(-1, tch.indices) if topk else logq).mul_(p)
+        logp = None
+        div = d.masked_fill_(~(p > 0), 0.0).sum(-1)
+        d = None
+        out = out + (cfg.kd_weight * tau * tau) * div
+    cc = None
+    if cfg.ce_coef != 0:
+        if labels is None:
+            raise ValueError("lm_loss: a CE term (kind='ce' or ce_weight > 0) needs labels")
+        safe = labels.clamp_min(0).unsqueeze(-1)
+        nll = -logq.gather(-1, safe).squeeze(-1)
+        ignore = labels == IGNORE_INDEX
+        out = out + cfg.ce_coef * torch.where(ignore, torch.zeros_like(nll), nll)
+        cc = torch.where(ignore, torch.zeros_like(wt), wt * cfg.ce_coef)
+    part = (out * wt).sum()
+    if not grads:
+        return part, None
+    # dL/dz = a (q - p) + cc (q - onehot), a = w kd tau (the tau^2 scale over the 1/tau of d/dz)
+    a = wt * (cfg.kd_weight * tau) if kd else None
+    if a is None and cc is None:                       # kd_weight = ce_weight = 0: a zero loss
+        return part, torch.zeros_like(logq)
+    # each distribution divided by its own computed sum: the rounding of a row's log-sum-exp is one
+    # factor on that row of exp(log softmax), which this removes (autograd's q * sum(p) - p removes
+    # the teacher's alone); measured closer to float64 than autograd (tests/test_distill_fused.py)
+    q = logq.exp_()
+    qs = q.sum(-1)
+    a_q = None if a is None else a / qs
+    c_q = None if cc is None else cc / qs
+    a_p = a / p.sum(-1) if kd else None
+    coef = a_q if c_q is None else (c_q if a_q is None else a_q + c_q)
+    g = q.mul_(coef.unsqueeze(-1))
+    if kd:
+        if topk:
+            g.scatter_add_(-1, tch.indices, -(p * a_p.unsqueeze(-1)))
+        else:
+            g.sub_(p.mul_(a_p.unsqueeze(-1)))
+    if cc is not None:
+        g.scatter_add_(-1, safe, -cc.unsqueeze(-1))
+    return part, g
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, tok_w, t_a, t_b, cfg):
@@ -389,14 +482,21 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 if need_h:
                     grad_h[sl] = acc_h.to(h.dtype)
                 continue
-            with torch.enable_grad():
-                zs = _logits(h[sl], w).detach().requires_grad_(need_h or need_w)
-                tch = _teacher_chunk(teacher, sl, _acc(h))
-                lab = None if labels is None else labels[sl]
-                part = (_token_losses(zs, tch, lab, cfg) * wt).sum()
-            total += part.detach()
-            if need_h or need_w:
-                (gz,) = torch.autograd.grad(part, zs)
+            lab = None if labels is None else labels[sl]
+            if _fusable(cfg, teacher):
+                part, gz = _fused_chunk(lambda: _logits(h[sl], w),
+                                        None if teacher is None else lambda: _teacher_chunk(teacher, sl, _acc(h)),
+                                        lab, wt, cfg, need_h or need_w)
+                total += part
+            else:
+                with torch.enable_grad():
+                    zs = _logits(h[sl], w).detach().requires_grad_(need_h or need_w)
+                    tch = _teacher_chunk(teacher, sl, _acc(h))
+                    part = (_token_losses(zs, tch, lab, cfg) * wt).sum()
+                total += part.detach()
+                gz = torch.autograd.grad(part, zs)[0] if need_h or need_w else None
+                zs = tch = part = None
+            if gz is not None:
                 gz = gz.to(h.dtype) if w is not None else gz
                 if need_h:
                     grad_h[sl] = (gz @ w).to(h.dtype) if w is not None else gz.to(h.dtype)

@@ -3,7 +3,9 @@
     from qatfactory.formats import get_format, list_formats
     f = get_format("nvfp4"); p = f.quantize(x); y = f.dequantize(p)
 """
-from .spec import REGISTRY, Format, FormatSpec, PackedTensor, get_format, list_formats, register  # noqa: F401
+from .spec import (REGISTRY, Format, FormatSpec, PackedTensor, get_format, list_formats, register,  # noqa: F401
+                   unregister)
+from .layouts import Codec, GGUFLayout, SafetensorsLayout  # noqa: F401
 from .converted import ConvertedModel  # noqa: F401
 
 # one import per format file; each file ends with its register(...) lines

@@ -61,6 +61,7 @@ import torch
 from . import lowbit_blocks as LB
 from .kquant_common import tdiv
 from .q8_0 import CheckedInput, as_float32, no_amax
+from .layouts import Codec, GGUFLayout, SafetensorsLayout
 from .spec import Format, FormatSpec, PackedTensor, register
 
 EPS = np.float32(1e-5)                  # ParetoQ: alpha = where(alpha > 1e-5, alpha, 1e-5)
@@ -392,15 +393,17 @@ def _grid(name: str, family: str, qn: int, qp: int, layout: str, group: int = 0,
         global_scale=None,
         nibble_order=_LAYOUT_TEXT[layout],
         oracle=_ORACLE.format(t=layout.replace("_k", "_K")),
-        ggml_type=LB.GGML_TYPE[layout],
+        gguf=GGUFLayout(LB.GGML_TYPE[layout], file_type=LB.FILE_TYPE[layout]),
+        # compressed-tensors int4 pack-quantized (W4A16): the codes and the fp16 scales as vLLM loads them
+        safetensors=None if ct is None else SafetensorsLayout(
+            Codec.INT4_FP16, ct_format=ct, group_size=group or None, strategy="group" if group else "channel",
+            scale_dtype=None, type="int"),
         fallback=fallback,
         role="weight",
         symmetric=True,
         notes=note,
     )
-    g = IntGrid(spec, family, qn, qp, layout, group, grid)
-    g.compressed_tensors = ct
-    return g
+    return IntGrid(spec, family, qn, qp, layout, group, grid)
 
 
 _Q40 = "not this type; {}_q4_0 holds the same grid (same numerics, Q4_0 bytes, rows a multiple of 32)"

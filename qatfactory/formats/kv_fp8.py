@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from . import codecs as C
-from .kv import FP8_MAX, KVCacheFormat, KVCacheSpec, amax_over_448, register_kv
+from .kv import KVCacheFormat, KVCacheSpec, amax_over_448, register_kv
 
 # torch's non-saturating cast (c10 fp8e4m3fn_from_fp32_value): above 464, the midpoint between 448 and the
 # NaN pattern's "480", the result is NaN; 464 itself rounds to even, 448

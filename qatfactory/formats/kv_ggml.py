@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, tdiv
+from .layouts import GGMLType
 from .kv import KVCacheFormat, KVCacheSpec, register_kv
 from .q5_0 import Q5_0_FORMAT
 from .q8_0 import Q8_0_FORMAT, QK
@@ -208,25 +209,25 @@ Q8_0_KV_SPEC = KVCacheSpec(
                            "ggml quantize_row_q8_0_ref",
     element="int8", rounding="d = amax/127, fp16 RNE; q = roundf(x * (1/d)) (half away from zero)",
     bits_per_element=8.5, oracle="libggml quantize_row_q8_0_ref / dequantize_row_q8_0 (libggml-python 0.20.2)",
-    llama_cpp_type="q8_0", ggml_type=8,
+    llama_cpp_type="q8_0", ggml_type=int(GGMLType.Q8_0),
     notes="llama.cpp's CPU backend on x86 writes q8_0 with another rule: q8_0_kv_x86", **_GG)
 Q8_0_KV_X86_SPEC = KVCacheSpec(
     name="q8_0_kv_x86", engine="llama.cpp 0c1e570 CPU set_rows with x86 AVX/AVX2 from_float "
                                "(ggml-cpu/arch/x86/quants.c quantize_row_q8_0)",
     element="int8", rounding="d = amax/127, fp16 RNE; q = round-half-even(x * fl(127/amax)) (_mm256_round_ps)",
     bits_per_element=8.5, oracle="libggml-python's CPU backend quantize_row_q8_0 (its AVX build)",
-    llama_cpp_type="q8_0", ggml_type=8,
+    llama_cpp_type="q8_0", ggml_type=int(GGMLType.Q8_0),
     notes="differs from q8_0_kv on exact .5 ties and where 127/amax != 1/(amax/127) in the last bit", **_GG)
 Q4_0_KV_SPEC = KVCacheSpec(
     name="q4_0_kv", engine="llama.cpp 0c1e570 set_rows: CPU quantize_row_q4_0 (= _ref), CUDA quantize_f32_q4_0_block",
     element="int4", rounding="max = signed first largest |x|; d = max/-8 fp16 RNE; q = min(15, (int)(x/d + 8.5))",
     bits_per_element=4.5, oracle="libggml ggml_quantize_chunk(Q4_0) / dequantize_row_q4_0 (libggml-python 0.20.2)",
-    llama_cpp_type="q4_0", ggml_type=2, **_GG)
+    llama_cpp_type="q4_0", ggml_type=int(GGMLType.Q4_0), **_GG)
 Q5_0_KV_SPEC = KVCacheSpec(
     name="q5_0_kv", engine="llama.cpp 0c1e570 set_rows: CPU quantize_row_q5_0 (= _ref), CUDA quantize_f32_q5_0_block",
     element="int5", rounding="max = signed first largest |x|; d = max/-16 fp16 RNE; q = min(31, (int)(x/d + 16.5))",
     bits_per_element=5.5, oracle="libggml ggml_quantize_chunk(Q5_0) / dequantize_row_q5_0 (libggml-python 0.20.2)",
-    llama_cpp_type="q5_0", ggml_type=6, **_GG)
+    llama_cpp_type="q5_0", ggml_type=int(GGMLType.Q5_0), **_GG)
 
 Q8_0_KV = register_kv(GGMLKV(Q8_0_KV_SPEC, Q8_0_FORMAT))
 Q8_0_KV_X86 = register_kv(Q8_0KVX86(Q8_0_KV_X86_SPEC, Q8_0_FORMAT))

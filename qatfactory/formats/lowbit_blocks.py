@@ -29,10 +29,16 @@ from typing import Tuple
 
 import numpy as np
 
+from .layouts import GGMLType, LlamaFileType
+
 QK_K = 256
 QK4_0 = 32
 SIZES = {"q4_0": (32, 18), "q3_k": (256, 110), "q2_k": (256, 84), "tq2_0": (256, 66), "tq1_0": (256, 54)}
-GGML_TYPE = {"q4_0": 2, "q3_k": 11, "q2_k": 10, "tq2_0": 35, "tq1_0": 34}
+GGML_TYPE = {"q4_0": GGMLType.Q4_0, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K, "tq2_0": GGMLType.TQ2_0,
+             "tq1_0": GGMLType.TQ1_0}
+# general.file_type of a GGUF whose main type is the layout (llama-quantize's names)
+FILE_TYPE = {"q4_0": LlamaFileType.MOSTLY_Q4_0, "q3_k": LlamaFileType.MOSTLY_Q3_K_M, "q2_k": LlamaFileType.MOSTLY_Q2_K,
+             "tq2_0": LlamaFileType.MOSTLY_TQ2_0, "tq1_0": LlamaFileType.MOSTLY_TQ1_0}
 _POW3 = np.array([1, 3, 9, 27, 81, 243], dtype=np.uint16)
 
 

@@ -72,6 +72,7 @@ import torch
 
 from .codecs import (E2M1_VALUES, e2m1_magnitude_np, pack_pairs, pack_pairs_np, pack_split_halves_np,
                      unpack_pairs, unpack_pairs_np, unpack_split_halves_np)
+from .layouts import Codec, GGMLType, GGUFLayout, LlamaFileType, NibbleOrder, SafetensorsLayout, ScaleRule, TieRule
 from .spec import _STE, Format, FormatSpec, PackedTensor, register
 
 BLOCK = 32
@@ -260,20 +261,20 @@ def _mult(kind: str) -> np.ndarray:
 
 
 _SCALE_RULES: Dict[str, _ScaleRule] = {
-    "floor(log2 amax) - 2": _ScaleRule(
+    ScaleRule.MX_FLOOR: _ScaleRule(
         _byte_floor, lambda xb, s: _ref_torchao(xb, s, even=False), _mult("torchao"), _OCP_DECODE,
         E2M1_VALUES, np.full(256, 7, np.uint8), (255,)),
-    "floor(log2(amax rounded half-up to 2 significant bits)) - 2": _ScaleRule(
+    ScaleRule.MX_EVEN: _ScaleRule(
         _byte_even, lambda xb, s: _ref_torchao(xb, s, even=True), _mult("torchao"), _OCP_DECODE,
         E2M1_VALUES, np.full(256, 7, np.uint8), (255,)),
-    "ceil(log2(amax / 6))": _ScaleRule(
+    ScaleRule.MX_RCEIL: _ScaleRule(
         _byte_rceil, _ref_triton, _mult("triton"), _OCP_DECODE, E2M1_VALUES, np.full(256, 7, np.uint8), (255,)),
-    "floor(log2f(amax)) - 2, byte mod 256": _ScaleRule(
+    ScaleRule.MX_GGML: _ScaleRule(
         _byte_ggml, _ref_ggml, _mult("ggml"), _ggml_half_np(_BYTES), _KVALUES_GGML, _ggml_max_code(), ()),
 }
 
 # tie rule -> (E2M1 tie handling, whether the sign bit survives a zero magnitude)
-_TIE_RULES = {"rne": ("rne", True), "argmin_first": ("toward_zero", False)}
+_TIE_RULES = {TieRule.RNE: ("rne", True), TieRule.ARGMIN_FIRST: ("toward_zero", False)}
 
 # E2M1 magnitude code = number of bounds strictly below |v| (one bucketize pass instead of seven
 # compares). The RNE ties that round up (0.75, 1.75, 3.5) use '>=', i.e. '>' the float just below.
@@ -313,7 +314,8 @@ def _ggml_unpack_np(b, k):
     return pack_pairs_np(codes), scales
 
 
-_LAYOUTS = {"pairs": (_row_pack_np, _row_unpack_np), "split_halves": (_ggml_pack_np, _ggml_unpack_np)}
+_LAYOUTS = {NibbleOrder.PAIRS: (_row_pack_np, _row_unpack_np),
+            NibbleOrder.SPLIT_HALVES: (_ggml_pack_np, _ggml_unpack_np)}
 
 
 # ----------------------------------------------------------------------------- the format
@@ -515,35 +517,42 @@ _OCP_FALLBACK = ("bf16: vLLM / compressed-tensors need K % 32 == 0, so such a la
                  "(list it in the checkpoint's ignore list)")
 _COMMON = dict(element="e2m1", block_size=BLOCK, super_block=BLOCK, bytes_per_block=BLOCK // 2 + 1,
                scale_codec="e8m0", global_scale=None, role="both", symmetric=True)
+# the OCP flavours: compressed-tensors mxfp4-pack-quantized (the container keeps only the E8M0 byte, so
+# any OCP scale rule fits) and, repacked, GGML MXFP4 blocks (written only when ggml decodes the same values)
+_OCP_LAYOUTS = dict(
+    gguf=GGUFLayout(GGMLType.MXFP4, Codec.E2M1_E8M0, LlamaFileType.MOSTLY_MXFP4_MOE),
+    safetensors=SafetensorsLayout(Codec.E2M1_E8M0, ct_format="mxfp4-pack-quantized", group_size=32,
+                                  strategy="group", scale_dtype="uint8"))
 
 register(MXFP4Format(FormatSpec(
     name="mxfp4", engine="OCP MX v1.0 FLOOR as torchao 0.18 to_mx(ScaleCalculationMode.FLOOR)",
-    scale_rule="floor(log2 amax) - 2", tie_rule="rne", nibble_order="pairs",
+    scale_rule=ScaleRule.MX_FLOOR, tie_rule=TieRule.RNE, nibble_order=NibbleOrder.PAIRS,
     oracle="torchao 0.18 to_mx(x, float4_e2m1fn_x2, 32, FLOOR)", fallback=_OCP_FALLBACK,
-    notes="row bytes = packed pair codes [K/2] then E8M0 scales [K/32]", **_COMMON)))
+    notes="row bytes = packed pair codes [K/2] then E8M0 scales [K/32]", **_OCP_LAYOUTS, **_COMMON)))
 
 register(MXFP4Format(FormatSpec(
     name="mxfp4_rceil", engine="triton_kernels downcast_to_mxfp ROUND_UP (= cvt.rp.satfinite.ue8m0, "
                                "cuBLAS/FlashInfer/TRT-LLM MXFP4 recipe)",
-    scale_rule="ceil(log2(amax / 6))", tie_rule="rne", nibble_order="pairs",
+    scale_rule=ScaleRule.MX_RCEIL, tie_rule=TieRule.RNE, nibble_order=NibbleOrder.PAIRS,
     oracle="TRANSCRIPTION (no run of triton_kernels/cuBLAS yet): our exact integer derivation (fractions) of the "
            "ROUND_UP rule; torchao 0.18 to_mx RCEIL agrees off its log2 edge values",
     fallback=_OCP_FALLBACK, notes="row bytes = packed pair codes [K/2] then E8M0 scales [K/32]; "
-                                  "never clips the block max", **_COMMON)))
+                                  "never clips the block max", **_OCP_LAYOUTS, **_COMMON)))
 
 register(MXFP4Format(FormatSpec(
     name="mxfp4_even", engine="torchao 0.18 to_mx(ScaleCalculationMode.EVEN) = compressed-tensors 0.20 "
                               "generate_mx_scales (vLLM Quark OCP-MX emulation)",
-    scale_rule="floor(log2(amax rounded half-up to 2 significant bits)) - 2", tie_rule="rne",
-    nibble_order="pairs", oracle="torchao 0.18 to_mx EVEN; compressed-tensors generate_mx_scales",
+    scale_rule=ScaleRule.MX_EVEN, tie_rule=TieRule.RNE,
+    nibble_order=NibbleOrder.PAIRS, oracle="torchao 0.18 to_mx EVEN; compressed-tensors generate_mx_scales",
     fallback=_OCP_FALLBACK, notes="row bytes = packed pair codes [K/2] then E8M0 scales [K/32]",
-    **_COMMON)))
+    **_OCP_LAYOUTS, **_COMMON)))
 
 register(MXFP4Format(FormatSpec(
     name="mxfp4_ggml", engine="llama.cpp / ggml GGML_TYPE_MXFP4 quantize_row_mxfp4_ref (ggml 0.20.2)",
-    scale_rule="floor(log2f(amax)) - 2, byte mod 256", tie_rule="argmin_first", nibble_order="split_halves",
+    scale_rule=ScaleRule.MX_GGML, tie_rule=TieRule.ARGMIN_FIRST, nibble_order=NibbleOrder.SPLIT_HALVES,
     oracle="libggml-python 0.20.2 (ggml_quantize_chunk / dequantize_row_mxfp4) and gguf 0.19 gguf.quants",
-    ggml_type=39, fallback="F16/BF16: ggml rows must hold whole 32-element blocks, and llama-quantize "
-                           "has no fallback type for MXFP4 (it aborts: 'Unsupported tensor size')",
+    gguf=GGUFLayout(GGMLType.MXFP4, file_type=LlamaFileType.MOSTLY_MXFP4_MOE),   # its own bytes are the blocks
+    fallback="F16/BF16: ggml rows must hold whole 32-element blocks, and llama-quantize "
+             "has no fallback type for MXFP4 (it aborts: 'Unsupported tensor size')",
     notes="17-byte blocks: e8m0 byte, then byte j = c[j] | c[j+16] << 4",
     **_COMMON)))

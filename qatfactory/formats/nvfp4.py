@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from . import codecs as C
+from .layouts import Codec, GGMLType, GGUFLayout, LlamaFileType, NibbleOrder, SafetensorsLayout, ScaleRule, TieRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 BLOCK = 16
@@ -430,24 +431,29 @@ def near_threshold_mask(x: torch.Tensor, amax=None, ulps: int = 4) -> torch.Tens
 
 
 _COMMON = dict(element="e2m1", block_size=BLOCK, super_block=BLOCK, bytes_per_block=9, scale_codec="e4m3",
-               tie_rule="rne", nibble_order="pairs",
+               tie_rule=TieRule.RNE, nibble_order=NibbleOrder.PAIRS,
                fallback="none: vLLM refuses NVFP4 layers whose K is not a multiple of 16; leave such a "
                         "layer unquantized (exclude_modules / ignore)")
 
 NVFP4_SPEC = FormatSpec(
     name="nvfp4",
     engine="NVIDIA ModelOpt 0.47 NVFP4QTensor.quantize (export path), loaded as is by vLLM / SGLang",
-    scale_rule="s = amax_b / fl(6*g); 0 -> 1.0; clamp [2^-9, 448]; RNE to E4M3",
+    scale_rule=ScaleRule.NVFP4_MODELOPT,
     global_scale="g = amax/2688 (decode scale, fp32; weight_scale_2)",
     oracle="nvidia-modelopt NVFP4QTensor.quantize(w, 16); compressed-tensors (fp32 statistics)",
     role="weight",
     notes="row bytes = packed codes (K/2) then E4M3 scale bytes (K/16); all-zero/subnormal-g amax -> 1.0",
+    # llama.cpp: repacked into GGML NVFP4 blocks + an F32 <name>.scale; vLLM/SGLang: ModelOpt or CT NVFP4
+    gguf=GGUFLayout(GGMLType.NVFP4, Codec.E2M1_E4M3_FP32, LlamaFileType.MOSTLY_NVFP4),
+    safetensors=SafetensorsLayout(Codec.E2M1_E4M3_FP32, ct_format="nvfp4-pack-quantized", group_size=16,
+                                  strategy="tensor_group", scale_dtype="float8_e4m3fn",
+                                  modelopt_algo=("NVFP4", "W4A16_NVFP4")),
     **_COMMON)
 
 NVFP4_ACT_SPEC = FormatSpec(
     name="nvfp4_act",
     engine="vLLM / FlashInfer cvt_warp_fp16_to_fp4 (scaled_fp4_quant, fast-math path), exact reciprocals",
-    scale_rule="SF = S * fl(vmax * RN(1/6)), S = 1/(amax/2688); e4m3 RN satfinite; no lower clamp (tiny -> 0)",
+    scale_rule=ScaleRule.NVFP4_VLLM_ACT,
     global_scale="input_scale = amax/2688 (decode, fp32); encode S = fl(1/input_scale)",
     oracle="TRANSCRIPTION (no run of vLLM's kernel yet; GPU run: benchmarks/gpu): vLLM's kernel formula in float64 "
            "-> float32 steps + ml_dtypes e2m1/e4m3",

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from . import codecs as C
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, NibbleOrder, ScaleRule, TieRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 SUB = 16
@@ -233,12 +234,12 @@ NVFP4_GGML_SPEC = FormatSpec(
     super_block=QK,
     bytes_per_block=BLOCK_BYTES,
     scale_codec="ue4m3_ggml",
-    scale_rule="ggml_fp32_to_ue4m3(amax_b / 6): half-up mantissa, subnormal (int)(x*512+0.5), >=248 -> 0x7E",
-    tie_rule="toward_zero",
+    scale_rule=ScaleRule.NVFP4_GGML,
+    tie_rule=TieRule.TOWARD_ZERO,
     global_scale=None,
-    nibble_order="split_halves",
+    nibble_order=NibbleOrder.SPLIT_HALVES,
     oracle="libggml-python ggml_quantize_chunk / dequantize_row_nvfp4; gguf.quants.dequantize",
-    ggml_type=40,
+    gguf=GGUFLayout(GGMLType.NVFP4, file_type=LlamaFileType.MOSTLY_NVFP4),
     fallback="none: llama.cpp stores NVFP4 rows only in multiples of 64; keep such a tensor in F16/BF16",
     role="weight",
     notes="36-byte blocks: 4 UE4M3 bytes then 32 code bytes; no per-tensor scale in the type",

@@ -63,6 +63,7 @@ from .codecs import pack_split_halves, pack_split_halves_np, unpack_split_halves
 from .kquant_common import (fp16_round, fp16_round_np, nearest_int, nearest_int_np, pack_scale_min_k4,
                             pack_scale_min_k4_np, seq_sum, seq_sum_np, sqrt_f32, tdiv, unpack_scale_min_k4,
                             unpack_scale_min_k4_np)
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK_K = 256
@@ -96,12 +97,12 @@ SPEC = FormatSpec(
     super_block=256,
     bytes_per_block=144,
     scale_codec="fp16+6bit",
-    scale_rule="make_qkx2_quants (imatrix: make_qkx3_quants + make_qp_quants); 6-bit ls/lm vs fp16 d/dmin",
+    scale_rule=ScaleRule.Q4_K,
     tie_rule="half_even_int",
     global_scale=None,
     nibble_order="q4_k",
     oracle="libggml-python 0.20.2.post1 ggml_quantize_chunk / quantize_q4_K",
-    ggml_type=12,
+    gguf=GGUFLayout(GGMLType.Q4_K, file_type=LlamaFileType.MOSTLY_Q4_K_M),
     fallback="q5_0 (llama-quantize tensor_type_fallback; f16 if K % 32 != 0)",
     role="weight",
     symmetric=False,

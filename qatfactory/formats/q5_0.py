@@ -57,6 +57,7 @@ import torch
 from .kquant_common import fp16_round, fp16_round_np, sqrt_f32, tdiv
 from .q6_k import imatrix_arg, make_qx_quants, make_qx_quants_np
 from .q8_0 import CheckedInput, as_float32, fp16_scales_arg, no_amax
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK = 32
@@ -95,13 +96,12 @@ SPEC = FormatSpec(
     super_block=32,
     bytes_per_block=BLOCK_BYTES,
     scale_codec="fp16",
-    scale_rule="d = max/-16 (max = signed largest-|x|), fp16 RNE; elements use id = 1/d unrounded. "
-               "imatrix: d = make_qx_quants(32, 16, w = imatrix*sqrt(sigma2 + x^2))",
+    scale_rule=ScaleRule.Q5_0,
     tie_rule="trunc(x*id + 16.5) (half up) ; imatrix path: rne (nearest_int)",
     global_scale=None,
     nibble_order="split_halves (qs byte j = q[j] | q[j+16] << 4) + qh bit j = q[j] >> 4",
     oracle="libggml ggml_quantize_chunk / quantize_row_q5_0_ref; gguf.quants.dequantize",
-    ggml_type=6,
+    gguf=GGUFLayout(GGMLType.Q5_0, file_type=LlamaFileType.MOSTLY_Q5_0),
     fallback="F16 (llama-quantize keeps rows whose length is not a multiple of 32 in F16)",
     role="weight",
     symmetric=True,

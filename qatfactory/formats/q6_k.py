@@ -66,6 +66,7 @@ import torch
 
 from .kquant_common import fp16_round, fp16_round_np, nearest_int, nearest_int_np, tdiv
 from .q8_0 import CheckedInput, as_float32, no_amax
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK_K = 256
@@ -257,13 +258,12 @@ SPEC = FormatSpec(
     super_block=256,
     bytes_per_block=BLOCK_BYTES,
     scale_codec="fp16+int8",  # int8 sub-block scales under one fp16 super-scale
-    scale_rule="make_qx_quants(16, 32) per sub-block (rmse search over 19 iscales); "
-               "iscale = -128/max_scale, d = fp16(1/iscale), sc = min(127, nearest_int(iscale*scale))",
+    scale_rule=ScaleRule.Q6_K,
     tie_rule="rne (ggml nearest_int)",
     global_scale=None,
     nibble_order="q6_k (ql low nibbles by 32-lanes, qh 2-bit pairs)",
     oracle="libggml ggml_quantize_chunk / quantize_row_q6_K_ref; gguf.quants.dequantize",
-    ggml_type=14,
+    gguf=GGUFLayout(GGMLType.Q6_K, file_type=LlamaFileType.MOSTLY_Q6_K),
     fallback="Q8_0 (llama-quantize: rows not a multiple of 256 become Q8_0, or F16 when not a "
              "multiple of 32 either; Q4_K falls back to Q5_0 the same way)",
     role="weight",

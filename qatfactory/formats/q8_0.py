@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, tdiv
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK = 32
@@ -121,12 +122,12 @@ SPEC = FormatSpec(
     super_block=32,
     bytes_per_block=BLOCK_BYTES,
     scale_codec="fp16",
-    scale_rule="d = amax/127 (fp32 division), stored fp16 RNE; elements use id = 1/d unrounded",
+    scale_rule=ScaleRule.Q8_0,
     tie_rule="half_away (C roundf)",
     global_scale=None,
     nibble_order="bytes (one int8 per weight)",
     oracle="libggml ggml_quantize_chunk / quantize_row_q8_0_ref; gguf.quants.dequantize",
-    ggml_type=8,
+    gguf=GGUFLayout(GGMLType.Q8_0, file_type=LlamaFileType.MOSTLY_Q8_0),
     fallback="F16 (llama-quantize keeps rows whose length is not a multiple of 32 in F16)",
     role="weight",
     symmetric=True,

@@ -3,7 +3,9 @@
 A *format* is one frozen :class:`FormatSpec` (every numerics rule as a field) plus one
 object implementing :class:`Format` (numpy reference, torch emulator, pack/unpack).
 Each ``formats/<name>.py`` ends with ``register(...)`` lines; nothing outside
-``formats/`` branches on a format name.
+``formats/`` branches on a format name. What each engine container holds is declared in the spec too
+(``spec.gguf``, ``spec.safetensors``: typed records of layouts.py); exporters, the verify gate and the
+kernels read them and branch on a codec family, so a new format that fits one needs no code there.
 
 Conventions shared by every format (the public API, relied on by tests and users):
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from .layouts import Codec, GGUFLayout, NibbleOrder, SafetensorsLayout, ScaleRule, TieRule
 
 
 @dataclass(frozen=True)
@@ -37,24 +41,57 @@ class FormatSpec:
     super_block: int             # elements per engine block record (64 for ggml NVFP4, 256 for k-quants)
     bytes_per_block: int         # bytes per super_block in the engine layout (to_bytes)
     scale_codec: str             # "e4m3" | "ue4m3_ggml" | "e8m0" | "fp16" | "fp16+6bit"
-    scale_rule: str              # human-readable rule, e.g. "floor(log2 amax) - 2"
-    tie_rule: str                # "rne" | "toward_zero" | "half_even_int" ...
+    scale_rule: str              # a ScaleRule member where code dispatches on it, else the rule in words
+    tie_rule: str                # a TieRule member ("rne" | "toward_zero" | "argmin_first") or the rule in words
     global_scale: Optional[str]  # e.g. "amax/2688 (decode)"; None when the format has none
-    nibble_order: str            # "pairs" | "split_halves" | "q4_k" | ...
+    nibble_order: str            # a NibbleOrder member ("pairs" | "split_halves") or the layout in words
     oracle: str                  # the independent tool the tests compare against
-    ggml_type: Optional[int] = None
     fallback: Optional[str] = None   # what the engine does when K % super_block != 0
     role: str = "weight"         # "weight" | "activation" | "both"
     symmetric: bool = True       # False for formats with mins (q4_k)
     notes: str = ""
+    # what each engine container holds (layouts.py); None: that container cannot hold the format
+    gguf: Optional[GGUFLayout] = None              # llama.cpp
+    safetensors: Optional[SafetensorsLayout] = None  # vLLM / SGLang
+
+    def __post_init__(self):
+        # the typed rules: a value that spells a known rule becomes its enum member
+        for fld, enum_cls in (("scale_rule", ScaleRule), ("tie_rule", TieRule), ("nibble_order", NibbleOrder)):
+            v = getattr(self, fld)
+            if not isinstance(v, enum_cls) and v in enum_cls._value2member_map_:
+                object.__setattr__(self, fld, enum_cls(v))
+        for fld, cls in (("gguf", GGUFLayout), ("safetensors", SafetensorsLayout)):
+            v = getattr(self, fld)
+            if v is not None and not isinstance(v, cls):
+                raise TypeError(f"FormatSpec {self.name!r}: {fld}={v!r}; allowed: a {cls.__name__} or None")
+
+    @property
+    def ggml_type(self) -> Optional[int]:
+        """The ggml type id when the format's own bytes (to_bytes) are GGUF blocks (a llama.cpp format),
+        else None (a format the GGUF exporter repacks, or none)."""
+        g = self.gguf
+        return int(g.ggml_type) if g is not None and g.codec is Codec.GGML_BLOCKS else None
 
     @property
     def bits_per_weight(self) -> float:
         """Storage bits per element (the per-tensor fp32 scale is not counted)."""
         return self.bytes_per_block * 8.0 / self.super_block
 
+    def layout(self, container: str):
+        """The format's layout record for ``container`` ("gguf" | "safetensors"), or None."""
+        if container not in ("gguf", "safetensors"):
+            raise ValueError(f"container={container!r}; allowed: 'gguf', 'safetensors'")
+        return getattr(self, container)
+
     def as_dict(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """The numerics record (qatfactory.json "numerics"): the rule fields, ggml_type, bits_per_weight."""
+        d: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("gguf", "safetensors"):
+                continue
+            if f.name == "fallback":
+                d["ggml_type"] = self.ggml_type
+            d[f.name] = getattr(self, f.name)
         d["bits_per_weight"] = self.bits_per_weight
         return d
 
@@ -224,11 +261,20 @@ REGISTRY: Dict[str, Format] = {}
 
 
 def register(fmt: Format) -> Format:
+    """Add a format to the registry (the one line a new format file ends with). Its spec's layout
+    records tell the exporters what each engine container holds; no other code needs to name it."""
     name = fmt.spec.name
     if name in REGISTRY:
         raise ValueError(f"format {name!r} is already registered")
     REGISTRY[name] = fmt
     return fmt
+
+
+def unregister(name: str) -> Format:
+    """Remove a registered format (a plug-in's or a test's own); returns it."""
+    if name not in REGISTRY:
+        raise ValueError(f"format {name!r} is not registered; registered formats: {sorted(REGISTRY)}")
+    return REGISTRY.pop(name)
 
 
 def get_format(name: str) -> Format:

@@ -41,39 +41,59 @@ import numpy as np
 import torch
 
 from ..formats import get_format
+from ..formats.layouts import ScaleRule, TieRule
 from ..formats.spec import PackedTensor
 from . import loader
 
 log = logging.getLogger("qatfactory.kernels")
 
 # E2M1 formats: the kernel reads block size and tie rule from the FormatSpec, and picks the
-# scale rule of csrc/fp4_qdq.cu that implements the spec's `scale_rule` (so a new registry
+# scale rule of csrc/fp4_qdq.cu that implements the spec's typed `scale_rule` (so a new registry
 # entry reusing a rule gets the kernel). Value: (RULE id, sign-of-zero mode NEGZ:
-# 0 ggml's +0, 1 ModelOpt's (v < 0), 2 the sign bit of v).
-_FP4_SCALE_RULES: Dict[str, Tuple[int, int]] = {
-    "s = amax_b / fl(6*g); 0 -> 1.0; clamp [2^-9, 448]; RNE to E4M3": (0, 1),
-    "SF = S * fl(vmax * RN(1/6)), S = 1/(amax/2688); e4m3 RN satfinite; no lower clamp (tiny -> 0)": (1, 2),
-    "floor(log2 amax) - 2": (2, 2),
-    "ceil(log2(amax / 6))": (3, 2),
-    "floor(log2(amax rounded half-up to 2 significant bits)) - 2": (4, 2),
-    "floor(log2f(amax)) - 2, byte mod 256": (5, 0),
+# 0 ggml's +0, 1 ModelOpt's (v < 0), 2 the sign bit of v). RULE 0 and 1 take a per-tensor amax.
+_FP4_SCALE_RULES: Dict[ScaleRule, Tuple[int, int]] = {
+    ScaleRule.NVFP4_MODELOPT: (0, 1),
+    ScaleRule.NVFP4_VLLM_ACT: (1, 2),
+    ScaleRule.MX_FLOOR: (2, 2),
+    ScaleRule.MX_RCEIL: (3, 2),
+    ScaleRule.MX_EVEN: (4, 2),
+    ScaleRule.MX_GGML: (5, 0),
 }
-_TIE = {"rne": 0, "toward_zero": 1, "argmin_first": 1}
+_TIE = {TieRule.RNE: 0, TieRule.TOWARD_ZERO: 1, TieRule.ARGMIN_FIRST: 1}
 
 
 def _fp4_rule(fmt: str) -> Optional[Tuple[int, int]]:
     spec = get_format(fmt).spec
-    if spec.element != "e2m1" or spec.block_size not in (16, 32) or spec.tie_rule not in _TIE:
+    if spec.element != "e2m1" or spec.block_size not in (16, 32) or not isinstance(spec.tie_rule, TieRule) \
+            or not isinstance(spec.scale_rule, ScaleRule):
         return None
     return _FP4_SCALE_RULES.get(spec.scale_rule)
 
 
-# ggml integer formats: (kernel, elements per thread, record bytes, elements per record)
-_GGML: Dict[str, Tuple[str, int, int, int]] = {
-    "q4_k": ("q4k_qdq", 32, 144, 256),
-    "q6_k": ("q6k_qdq", 16, 210, 256),
-    "q5_0": ("q50_qdq", 32, 22, 32),
-}
+def _takes_amax(fmt: str) -> bool:
+    """An E2M1 kernel rule with a per-tensor amax (the NVFP4 rules: RULE 0 and 1)."""
+    r = _fp4_rule(fmt)
+    return r is not None and r[0] <= 1
+
+
+# ggml integer formats: the kernel of csrc/kquant_qdq.cu that implements the spec's typed scale rule
+# (the whole quantizer of that ggml type); the block geometry comes from the spec: elements per thread =
+# spec.block_size (one sub-block), record bytes / elements = spec.bytes_per_block / spec.super_block
+_GGML_KERNELS: Dict[ScaleRule, str] = {ScaleRule.Q4_K: "q4k_qdq", ScaleRule.Q6_K: "q6k_qdq", ScaleRule.Q5_0: "q50_qdq"}
+
+
+_GGML_OF: Dict[object, Optional[Tuple[str, int, int, int]]] = {}   # per Format object (the hot path looks up)
+
+
+def _ggml_kernel(fmt: str) -> Optional[Tuple[str, int, int, int]]:
+    """(kernel, elements per thread, record bytes, elements per record) of a ggml format, or None."""
+    f = get_format(fmt)
+    if f not in _GGML_OF:
+        spec = f.spec
+        kern = _GGML_KERNELS.get(spec.scale_rule) if isinstance(spec.scale_rule, ScaleRule) and \
+            spec.ggml_type is not None else None
+        _GGML_OF[f] = None if kern is None else (kern, spec.block_size, spec.bytes_per_block, spec.super_block)
+    return _GGML_OF[f]
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _THREADS = 256
 Q4K_MIN_BLOCKS = 2      # q4_k register budget: __launch_bounds__(256, Q4K_MIN_BLOCKS); see csrc
@@ -93,7 +113,7 @@ def _out(shape, dtype, device) -> torch.Tensor:
 def kernel_formats():
     """Names of the registered formats that have a CUDA kernel."""
     from ..formats import list_formats
-    return sorted(n for n in list_formats() if n in _GGML or _fp4_rule(n) is not None)
+    return sorted(n for n in list_formats() if _ggml_kernel(n) is not None or _fp4_rule(n) is not None)
 
 
 def _fallback(reason: str) -> None:
@@ -113,6 +133,9 @@ def _fp4_params(fmt: str) -> Tuple[int, int, int, int]:
     return p
 
 
+_WHY: Dict[tuple, Optional[str]] = {}
+
+
 def why_not(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> Optional[str]:
     """None when fake_quantize(x, fmt, ste, **kw) would take the CUDA path, else the reason."""
     ok, reason = loader.probe()
@@ -120,15 +143,24 @@ def why_not(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> Optional[
         return reason
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return "input is not a CUDA tensor"
-    if x.dtype not in _DT:
-        return f"dtype {x.dtype} (kernels take float32, bfloat16, float16)"
-    if fmt not in _GGML and _fp4_rule(fmt) is None:
+    # the rest depends on (format, STE, dtype, which keywords are given) alone: decided once per key
+    key = (fmt, ste, x.dtype, tuple(sorted(k for k, v in kw.items() if v is not None)))
+    r = _WHY.get(key, _WHY)
+    if r is _WHY:
+        r = _WHY[key] = _why_not_kernel(*key)
+    return r
+
+
+def _why_not_kernel(fmt: str, ste: str, dtype, extra) -> Optional[str]:
+    if dtype not in _DT:
+        return f"dtype {dtype} (kernels take float32, bfloat16, float16)"
+    ggml = _ggml_kernel(fmt) is not None
+    if not ggml and _fp4_rule(fmt) is None:
         return f"format {fmt!r} has no kernel (kernels: {kernel_formats()})"
-    extra = {k for k, v in kw.items() if v is not None}
-    allowed = {"amax"} if fmt in ("nvfp4", "nvfp4_act") else set()
-    if extra - allowed:
-        return f"{fmt}: argument(s) {sorted(extra - allowed)} are handled by the emulator only"
-    if ste == "clipped" and fmt in _GGML:
+    allowed = {"amax"} if _takes_amax(fmt) else set()
+    if set(extra) - allowed:
+        return f"{fmt}: argument(s) {sorted(set(extra) - allowed)} are handled by the emulator only"
+    if ste == "clipped" and ggml:
         return f"{fmt}: clipped STE is computed by the emulator"
     return None
 
@@ -232,7 +264,7 @@ def nvfp4_kernel_version() -> str:
 
 
 def _launch_ggml(x, fmt, mode):
-    kern, per_thread, rec_bytes, rec_elems = _GGML[fmt]
+    kern, per_thread, rec_bytes, rec_elems = _ggml_kernel(fmt)
     x = _aligned(x)
     n = x.numel()
     y = _out(x.shape, x.dtype, x.device) if mode & 1 else None
@@ -262,7 +294,7 @@ def _(x, prefix_dims):
 
 @torch.library.custom_op("qatfactory::fake_quant", mutates_args=())
 def _fq_op(x: torch.Tensor, fmt: str, ste: str, amax: Optional[torch.Tensor]) -> torch.Tensor:
-    if fmt in _GGML:
+    if _ggml_kernel(fmt) is not None:
         return _launch_ggml(x, fmt, 1)[0]
     return _launch_fp4(x, fmt, amax, 1)[0]
 
@@ -320,7 +352,7 @@ def _q_ggml_op(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @_q_ggml_op.register_fake
 def _(x, fmt):
-    _, _, rec_bytes, rec_elems = _GGML[fmt]
+    _, _, rec_bytes, rec_elems = _ggml_kernel(fmt)
     return x.new_empty((*x.shape[:-1], x.shape[-1] // rec_elems * rec_bytes), dtype=torch.uint8)
 
 
@@ -389,7 +421,7 @@ class _FakeQuantFn(torch.autograd.Function):
         ctx.fmt, ctx.ste = fmt, ste
         if ste == "clipped":
             ctx.save_for_backward(x, amax)
-        if fmt in _GGML:
+        if _ggml_kernel(fmt) is not None:
             return _launch_ggml(x, fmt, 1)[0]
         return _launch_fp4(x, fmt, amax, 1)[0]
 
@@ -406,18 +438,19 @@ def _amax_tensor(x: torch.Tensor, fmt: str, amax) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return _absmax_op(x.detach(), 0)
         return _launch_absmax(_aligned(x.detach()), 0)
-    a = torch.as_tensor(amax, dtype=torch.float32)
+    a = amax if isinstance(amax, torch.Tensor) and amax.dtype == torch.float32 else \
+        torch.as_tensor(amax, dtype=torch.float32)
     if a.device.type == "cpu":
         # host values can be checked without a device sync
         if not bool(torch.all(torch.isfinite(a) & (a >= 0))):
             raise ValueError(f"{fmt}: amax must be finite and >= 0")
-    if fmt == "nvfp4_act" and a.ndim != 0:
+    if get_format(fmt).spec.role == "activation" and a.ndim != 0:
         raise ValueError(f"{fmt}: amax must be a scalar (one static input_scale per tensor)")
     lead = tuple(x.shape[:-1])
     if a.ndim > len(lead) or tuple(a.shape) != lead[:a.ndim]:
         raise ValueError(f"{fmt}: amax of shape {tuple(a.shape)} does not fit x of shape {tuple(x.shape)}; "
                          f"allowed: a scalar, or a shape that is a prefix of x.shape[:-1] = {lead}")
-    return a.to(x.device).detach()
+    return (a if a.device == x.device else a.to(x.device)).detach()
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> torch.Tensor:
@@ -432,13 +465,13 @@ def fake_quantize(x: torch.Tensor, fmt: str, ste: str = "identity", **kw) -> tor
         return get_format(name).fake_quantize(x, ste=ste, **kw)
     _check_shape(x, name)
     amax = None
-    if name in ("nvfp4", "nvfp4_act"):
+    if _takes_amax(name):
         amax = _amax_tensor(x, name, kw.get("amax"))
     if torch.compiler.is_compiling():
         return _fq_op(x, name, ste, amax)
     if x.requires_grad and torch.is_grad_enabled():
         return _FakeQuantFn.apply(x, name, ste, amax)
-    if name in _GGML:
+    if _ggml_kernel(name) is not None:
         return _launch_ggml(x, name, 1)[0]
     return _launch_fp4(x, name, amax, 1)[0]
 
@@ -454,10 +487,10 @@ def quantize(x: torch.Tensor, fmt: str, **kw) -> PackedTensor:
         return f.quantize(x, **kw)
     _check_shape(x, f.name)
     with torch.no_grad():
-        if f.name in _GGML:
+        if _ggml_kernel(f.name) is not None:
             b = _q_ggml_op(x.detach(), f.name)
             return f.from_bytes(b.cpu().numpy(), x.shape[-1]).to(x.device)
-        amax = _amax_tensor(x, f.name, kw.get("amax")) if f.name in ("nvfp4", "nvfp4_act") else None
+        amax = _amax_tensor(x, f.name, kw.get("amax")) if _takes_amax(f.name) else None
         codes, scales = _q_fp4_op(x.detach(), f.name, amax)
         g = None
         if amax is not None:
@@ -470,7 +503,7 @@ def quantize_bytes(x: torch.Tensor, fmt: str, **kw):
     """The engine's bytes of x (``Format.to_bytes(quantize(x))``). ggml formats: a uint8
     CUDA tensor [..., bytes_per_row] written by the kernel; others: numpy via to_bytes."""
     f = get_format(fmt)
-    if f.name in _GGML and why_not(x, f.name, **kw) is None:
+    if _ggml_kernel(f.name) is not None and why_not(x, f.name, **kw) is None:
         _check_shape(x, f.name)
         with torch.no_grad():
             return _q_ggml_op(x.detach(), f.name)

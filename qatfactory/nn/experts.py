@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import step_cache, weight_cache
 from .fake_quant import ActQuantizer, WeightQuantizer
 
 _SWAPPED = {}
@@ -83,7 +84,21 @@ class QuantExpertsMixin:
     def _dyn(self, q: WeightQuantizer, w: torch.Tensor):
         return self.expert_amax(w) if q.strategy == "dynamic" else None
 
+    def _wc_sites(self):
+        s = self.__dict__.get("_wc_site_objs")
+        if s is None:
+            s = self.__dict__["_wc_site_objs"] = (
+                weight_cache.site(self, "gate_up_proj", "gate_up_quant", experts=True),
+                weight_cache.site(self, "down_proj", "down_quant", experts=True))
+        return s
+
     def quantized_weights(self):
+        if step_cache.weights_cached():
+            # inside the trainer: fq(W) once per optimizer step (nn/weight_cache.py), same bits and gradients
+            sites = self._wc_sites()
+            es = [weight_cache.lookup(s) for s in sites]
+            if all(e is not None for e in es):
+                return tuple(weight_cache.training_weight(s, e) for s, e in zip(sites, es))
         gu = self.gate_up_quant(self.gate_up_proj, self._dyn(self.gate_up_quant, self.gate_up_proj))
         dn = self.down_quant(self.down_proj, self._dyn(self.down_quant, self.down_proj))
         return gu.to(self.gate_up_proj.dtype), dn.to(self.down_proj.dtype)

@@ -310,6 +310,6 @@ def kv_record(model) -> Dict[str, object]:
         if ks is None:
             layers[n] = {}
         else:
-            layers[n] = {"k_scale": ks.clone(), "v_scale": vs.clone(), "k_amax": q.k_amax.detach().clone().cpu(),
+            layers[n] = {"k_scale": ks.detach().clone().cpu(), "v_scale": vs.detach().clone().cpu(), "k_amax": q.k_amax.detach().clone().cpu(),
                          "v_amax": q.v_amax.detach().clone().cpu()}
     return {"format": fmts.pop(), "strategy": "frozen", "layers": layers}

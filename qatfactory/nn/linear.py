@@ -5,6 +5,10 @@ dict keys do not change; quantizer state sits in ``weight_quant.*`` / ``input_qu
 Members of an engine-fused group (q/k/v, gate/up) share one per-tensor amax: in ``dynamic`` mode
 each member reads all members' weights every forward (under ZeRO-3 call
 ``qatfactory.quantize.register_zero3_external_params`` so they are gathered).
+
+Inside the trainer (``step_cache.enabled()``) fq(W) is computed once per optimizer step and kept
+(nn/weight_cache.py): every micro-batch forward, the backward and evaluation read the kept tensor,
+with the same bits and gradients as the per-forward path.
 """
 from __future__ import annotations
 
@@ -14,13 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import step_cache
+from . import step_cache, weight_cache
 from .fake_quant import ActQuantizer
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
-
-_INF = float("inf")
-
 
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weight_format: str, strategy: str = "dynamic",
@@ -65,21 +66,23 @@ class QuantLinear(nn.Module):
         """Shared per-tensor amax [1]: max |W| over the fused group, from detached weights.
 
         One reduction launch for the whole group (no |W| temporaries); inside the trainer's
-        ``step_cache.enabled()`` the group's first member keeps it until the next optimizer step."""
+        ``step_cache.enabled()`` the group's first member keeps it until the next optimizer step
+        or until any member's weight changes in place (its version counter)."""
         epoch = step_cache.current()
         lead = self._group[0]
+        if epoch is None:
+            return weight_cache.group_amax_now([m.merged_weight().detach() for m in self._group])
+        if hasattr(self.weight, "ds_id"):
+            key = (epoch,)      # ZeRO-3: each gather is new storage; the trainer's epochs alone decide
+        else:
+            deps = [t for m in self._group
+                    for t in ((m.weight,) if m.lora is None else (m.weight, *m.lora.parameters()))]
+            key = (epoch,) + weight_cache.version_key(deps)
         hit = getattr(lead, "_amax_cache", None)
-        if epoch is not None and hit is not None and hit[0] == epoch:
+        if hit is not None and hit[0] == key:
             return hit[1]
-        with torch.no_grad():
-            ws = [m.merged_weight().detach() for m in self._group]
-            if len(ws) == 1:
-                a = torch.linalg.vector_norm(ws[0], _INF).float()
-            else:
-                a = torch.stack(torch._foreach_norm(ws, _INF)).amax().float()
-            a = a.reshape(1)
-        if epoch is not None:
-            lead._amax_cache = (epoch, a)
+        a = weight_cache.group_amax_now([m.merged_weight().detach() for m in self._group])
+        lead._amax_cache = (key, a)
         return a
 
     def quantized_weight(self) -> torch.Tensor:
@@ -114,15 +117,43 @@ class QuantLinear(nn.Module):
         self._recompute_key = (key, ok)
         return ok
 
+    def _wc_site(self) -> weight_cache.Site:
+        s = self.__dict__.get("_wc_site_obj")
+        if s is None:
+            s = self.__dict__["_wc_site_obj"] = weight_cache.site(self, "weight", "weight_quant")
+        return s
+
+    def _plan(self):
+        """The launch plan, built on the first call: (weight, weight quantizer, input quantizer, whether
+        the training forward takes _QuantLinearFn, whether W's amax is dynamic, the cache site). Checked
+        by identity each call (a replaced weight, quantizer or setting rebuilds it); saves the module
+        attribute lookups and the recompute decision per call."""
+        d = self.__dict__
+        w = self._parameters["weight"]
+        wq = self._modules["weight_quant"]
+        iq = self._modules.get("input_quant")
+        p = d.get("_qf_plan")
+        state = (wq.strategy, self.recompute_fq, self.lora is None, w.dtype, w.device)
+        if p is not None and p[0] is w and p[1] is wq and p[2] is iq and p[6] == state:
+            return p
+        fn = self.lora is None and wq.strategy != "learnable" and self.recompute_in_backward()
+        p = d["_qf_plan"] = (w, wq, iq, fn, wq.strategy == "dynamic", self._wc_site(), state)
+        return p
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled:
             return F.linear(x, self.merged_weight(), self.bias)
-        if (torch.is_grad_enabled() and self.lora is None and self.weight_quant.strategy != "learnable"
-                and not (self.input_quant is not None and self.input_quant.calibrating)
-                and (x.requires_grad or self.weight.requires_grad) and self.recompute_in_backward()):
-            amax = self.group_amax() if self.weight_quant.strategy == "dynamic" else None
-            return _QuantLinearFn.apply(x, self.weight, self.bias, self, amax)
-        return F.linear(self._quant_input(x), self.quantized_weight(), self.bias)
+        w, wq, iq, fn, dynamic, site, _ = self._plan()
+        e = weight_cache.lookup(site) if step_cache.weights_cached() else None
+        if (fn and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+                and not (iq is not None and iq.calibrating)):
+            if e is not None:
+                return _QuantLinearFn.apply(x, w, self.bias, self, e.amax, e.wq)
+            return _QuantLinearFn.apply(x, w, self.bias, self, self.group_amax() if dynamic else None, None)
+        xq = x if iq is None else iq(x)
+        if e is not None:
+            return F.linear(xq, weight_cache.training_weight(site, e), self.bias)
+        return F.linear(xq, self.quantized_weight(), self.bias)
 
     @torch.no_grad()
     def pack(self, r0: int = 0, r1: Optional[int] = None):
@@ -136,39 +167,51 @@ class _QuantLinearFn(torch.autograd.Function):
     holds anyway: W is the parameter, x is shared by the q/k/v or gate/up siblings), not the
     fake-quantized copies F.linear would save -- one weight-sized tensor per linear (the whole
     model's weights again, 1.3 GiB for a 1B model) and, for W4A4, one activation per sibling.
-    The backward recomputes fq_x(x) and fq_w(W) (one kernel launch each) and sends the matmul
-    gradients through the quantizers' own straight-through rules (identity or clipped)."""
+    The backward recomputes fq_x(x) and fq_w(W) (one kernel launch each; fq_w(W) not at all when
+    the step's kept copy ``wq`` is given) and sends the matmul gradients through the quantizers'
+    straight-through rules: the activation quantizer's and an ``identity`` weight rule pass the
+    gradient as it is (no autograd call), a ``clipped`` weight rule goes through the recomputed
+    quantizer (its saturation mask)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, mod, amax):
+    def forward(ctx, x, w, bias, mod, amax, wq):
         with torch.no_grad():
-            y = F.linear(mod._quant_input(x), mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype), bias)
-        ctx.save_for_backward(x, w, amax)
+            wqf = mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype) if wq is None else wq
+            y = F.linear(mod._quant_input(x), wqf, bias)
+        if wq is None:
+            ctx.save_for_backward(x, w, amax)
+        else:
+            ctx.save_for_backward(x, w, amax, wq)
         ctx.mod = mod
+        ctx.clipped = mod.weight_quant.ste == "clipped"
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, w, amax = ctx.saved_tensors
+        # runs with grad mode off (no double backward): the recomputes below build no graph
+        saved = ctx.saved_tensors
+        x, w, amax = saved[:3]
+        wq = saved[3] if len(saved) > 3 else None
         mod = ctx.mod
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(need_x)
-            wd = w.detach().requires_grad_(need_w)
-            xq = mod._quant_input(xd) if need_w or need_x else None
-            wq = mod.weight_quant(wd.unsqueeze(0), amax)[0].to(w.dtype) if need_x or need_w else None
+        clipped = ctx.clipped
+        if wq is None and (need_x or (need_w and not clipped)):
+            wq = mod.weight_quant(w.unsqueeze(0), amax)[0].to(w.dtype)
         g2 = gy.reshape(-1, gy.shape[-1])
-        outs, grads = [], []
+        gx = gw = gb = None
         if need_x:
-            outs.append(xq)
-            grads.append(gy.matmul(wq.detach()))
+            gx = gy.matmul(wq)
+            if gx.dtype != x.dtype:
+                gx = gx.to(x.dtype)
         if need_w:
-            outs.append(wq)
-            grads.append(g2.t().matmul(xq.detach().reshape(-1, xq.shape[-1])))
-        res = torch.autograd.grad(outs, [t for t, n in ((xd, need_x), (wd, need_w)) if n], grads) if outs else ()
-        res = list(res)
-        gx = res.pop(0) if need_x else None
-        gw = res.pop(0) if need_w else None
-        gb = g2.sum(0).to(gy.dtype) if need_b else None
-        return gx, gw, gb, None, None
-
+            xq = mod._quant_input(x)
+            gq = g2.t().matmul(xq.reshape(-1, xq.shape[-1]))
+            if clipped:
+                with torch.enable_grad():
+                    wd = w.detach().requires_grad_()
+                    (gw,) = torch.autograd.grad(mod.weight_quant(wd.unsqueeze(0), amax)[0].to(w.dtype), wd, gq)
+            else:
+                gw = gq if gq.dtype == w.dtype else gq.to(w.dtype)
+        if need_b:
+            gb = g2.sum(0).to(gy.dtype)
+        return gx, gw, gb, None, None, None

@@ -11,23 +11,24 @@ ranges and choices, with errors naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
-from ..distill.rl import RLConfig  # issue 20 (RL): the schema of method.rl
-from ..nn.scale_adapter import ScaleAdapterConfig  # issue 18 (scale adapters): the schema of method.scale
+from ..distill.rl import RLConfig
+from ..nn.scale_adapter import ScaleAdapterConfig
 from ..quantize import QuantConfig
+from . import methods as M
 from .data import DataConfig
+from .methods import NO_QUANT  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
+from .methods import quant_start
 
-METHODS = ("ptq", "qat", "qad", "qad_lora", "grpo", "dapo",   # grpo/dapo: train/rl_loop.py (issue 20)
-           "scale_adapter")                                    # issue 18: train/scale_loop.py
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamw_torch", "adamw_fused")
-NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 MODEL_DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -59,8 +60,9 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """ptq: calibrate and evaluate; qat: CE on the labels; qad: KL to the teacher; qad_lora: qad
-    with LoRA adapters on the frozen fake-quantized base (quant.lora.rank > 0)."""
+    """The settings every method reads (name: a registered method, train/methods/), and the option
+    blocks of the methods that have their own: ``rl`` (grpo, dapo), ``scale`` (scale_adapter),
+    ``options`` (a plugin method's, checked against its own schema)."""
 
     name: str = "qad"
     loss: LossConfig = field(default_factory=LossConfig)
@@ -72,8 +74,9 @@ class MethodConfig:
     calibrate: bool = True
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
-    rl: RLConfig = field(default_factory=RLConfig)   # grpo/dapo only (issue 20; train/rl_loop.py)
-    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter only (issue 18)
+    rl: RLConfig = field(default_factory=RLConfig)   # grpo / dapo (train/rl_loop.py)
+    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter (train/scale_loop.py)
+    options: Dict[str, Any] = field(default_factory=dict)   # a plugin method's options (Method.options)
 
 
 @dataclass
@@ -104,10 +107,10 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = True
-    # -- issue 19 (ParetoQ's full-precision-then-QAT schedule; issue 15 moves it behind the method seam):
-    # the first round(quant_start * max_steps) steps train with quantization off, then the scales are
-    # calibrated from the trained weights, quantization switches on, the optimizer state starts afresh
-    # and the LR schedule restarts over the remaining steps with peak quant_lr (None: lr)
+    # ParetoQ's full-precision-then-QAT schedule, run by the methods that support it (qat, qad;
+    # train/methods/quant_start.py): the first round(quant_start * max_steps) steps train with
+    # quantization off, then the scales are calibrated from the trained weights, quantization switches
+    # on, the optimizer state starts afresh and the LR schedule restarts with peak quant_lr (None: lr)
     quant_start: float = 0.0
     quant_lr: Optional[float] = None
 
@@ -131,6 +134,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     run_dir: Optional[str] = None     # default: runs/<method>-<format>-<time>
     resume: Optional[str] = None      # "auto" (latest in run_dir) or a checkpoint directory
+    plugins: List[str] = field(default_factory=list)   # modules imported first: they register methods
 
 
 def _choice(fld: str, v, allowed):
@@ -141,7 +145,8 @@ def _choice(fld: str, v, allowed):
 def validate(cfg: RunConfig) -> RunConfig:
     """Ranges and choices that the types cannot say; returns cfg."""
     m, t = cfg.method, cfg.train
-    _choice("method.name", m.name, METHODS)
+    M.load_plugins(cfg.plugins)
+    method = M.get_method(m.name)
     _choice("method.teacher", m.teacher, TEACHERS)
     _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.precision", t.precision, PRECISIONS)
@@ -164,18 +169,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"train.betas={list(t.betas)!r}; allowed: two numbers")
     if m.topk < 1:
         raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
-    if m.name in ("qad", "qad_lora") and not m.loss.needs_teacher:
-        raise ValueError(f"method.name={m.name!r} with method.loss.kind='ce'; qad distills from a teacher: "
-                         f"use forward_kl / reverse_kl / jsd, or method=qat for CE")
-    if m.name == "qat" and m.loss.needs_teacher:
-        raise ValueError(f"method.name='qat' trains on CE; method.loss.kind={m.loss.kind!r} needs a teacher "
-                         f"(use method=qad)")
-    if m.name == "qad_lora" and cfg.quant.lora.rank < 1:
-        raise ValueError("method.name='qad_lora' needs quant.lora.rank >= 1 (the LoRA rank)")
-    if m.name in ("grpo", "dapo"):       # issue 20 (RL): its own checks, train/rl_loop.py
-        m.rl.validate()
-    if m.name == "scale_adapter":        # issue 18 (scale adapters): its own checks, train/scale_loop.py
-        m.scale.validate()
+    method.validate(cfg)
     if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
         raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                          f"(model.path=/path/to/hf_dir)")
@@ -184,15 +178,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                          f"(0.9: 90% full precision, then QAT)")
     if t.quant_lr is not None and not t.quant_lr > 0:
         raise ValueError(f"train.quant_lr={t.quant_lr!r}; allowed: a number > 0, or null (= train.lr)")
-    if t.quant_start > 0:
-        why = ("format=bf16 quantizes nothing" if cfg.quant.weight_format in NO_QUANT else
-               "method=ptq does not train" if m.name == "ptq" else
-               "qad_lora trains adapters on a frozen quantized base" if m.name == "qad_lora" else
-               "ZeRO-3 partitions the weights the switch calibrates from (use zero_stage 0-2)"
-               if t.zero_stage == 3 else None)
-        if why:
-            raise ValueError(f"train.quant_start={t.quant_start!r}: {why}; allowed with method qat / qad on a "
-                             f"quantized format")
+    quant_start.check(cfg, method)
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
     elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
@@ -227,6 +213,9 @@ def _override_message(e: BaseException) -> str:
         opts = [ln.strip() for ln in msg.split("Available options", 1)[-1].splitlines()[1:]
                 if ln.startswith("\t") and "provider=" not in ln and ln.strip()]
         group, _, name = m.group(1).rpartition("/")
+        if group == "method":
+            return (f"method={name}: no such method; registered: {M.method_names()} (a method outside the package: "
+                    f"plugins=[your.module] imports the module that registers it)")
         return f"{group}={name}: no such recipe; allowed: {opts}" if opts else head
     if cause is not None and str(cause).strip():
         c = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
@@ -235,6 +224,24 @@ def _override_message(e: BaseException) -> str:
         text = head if detail in head else (detail if head in detail else f"{head}: {detail}")
         return text + (f" (field {key})" if key and key not in text else "")
     return head
+
+
+def _plugin_recipes(overrides: List[str]) -> None:
+    """Import the ``plugins=[...]`` of the command line, then make each registered method without a
+    recipe file selectable as ``method=<name>`` through its Method.recipe (Hydra's ConfigStore)."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    mods: List[str] = []
+    for o in OverridesParser.create().parse_overrides([x for x in overrides if x.lstrip("+~").startswith("plugins=")]):
+        v = o.value()
+        mods += [str(x) for x in (v if isinstance(v, list) else [v])]
+    M.load_plugins(mods)
+    files = {p.stem for p in (recipes_dir() / "method").glob("*.yaml")}
+    cs = ConfigStore.instance()
+    for name, cls in M.REGISTRY.items():
+        if name not in files:
+            cs.store(group="method", name=name, package="_global_",
+                     node=cls.recipe if cls.recipe is not None else {"method": {"name": name}})
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
@@ -251,10 +258,12 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
+        _plugin_recipes(list(overrides or []))
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             node = hcompose(config_name=config_name, overrides=list(overrides or []))
         schema = OmegaConf.structured(RunConfig)
         OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
+        OmegaConf.set_struct(schema.method.options, False)   # a plugin's options: checked by its own schema
         node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
         return validate(OmegaConf.to_object(node))
     except (HydraException, OmegaConfBaseException) as e:
@@ -267,6 +276,68 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
 
 def to_dict(cfg: RunConfig) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def _recipe_values(groups: List[str]) -> Dict[str, Any]:
+    """The flat {dotted key: value} that recipe picks such as ``format=q4_k`` give (before any
+    key=value; a mandatory value still unset reads as ``???``)."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    _plugin_recipes(list(groups))
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        node = hcompose(config_name="config", overrides=list(groups))
+    return _flat(OmegaConf.to_container(node, resolve=True, throw_on_missing=False))
+
+
+def _flat(d: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: Dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./+:@~-]+")
+
+
+def _value(v: Any) -> str:
+    """``v`` as Hydra's override grammar reads it back (the same type and value)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
+    v = str(v)
+    plain = _PLAIN.fullmatch(v) and v.lower() not in ("null", "true", "false", "nan", "inf", "-inf", "+inf")
+    try:
+        float(v)
+        plain = False
+    except ValueError:
+        pass
+    return v if plain else "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def to_overrides(cfg: RunConfig, groups: List[str]) -> List[str]:
+    """The key=value overrides that, after the recipe picks ``groups``, give ``cfg``:
+    ``compose(groups + to_overrides(cfg, groups))`` is cfg again (the command line of a run built
+    as an object, e.g. the demo's)."""
+    base, now = _recipe_values(groups), _flat(to_dict(cfg))
+    out = []
+    for k, v in now.items():
+        if k in base and base[k] == v and type(base[k]) is type(v):
+            continue
+        out.append(f"{'' if k in base else '+'}{k}={_value(v)}")
+    return out
 
 
 def from_dict(d: Dict[str, Any]) -> RunConfig:

@@ -45,6 +45,10 @@ class DataConfig:
     text_split: str = "file"      # "file" | "lines" (for .txt)
     max_docs: Optional[int] = None
     synthetic: int = 0            # >0: this many random-token samples (no tokenizer needed)
+    # structured: each token repeats its predecessor + 1 half the time (learnable, for tests);
+    # uniform: ids drawn uniformly from the vocabulary minus the tokenizer's special tokens (the QAD
+    # report's random-token data). With data.eval files the held-out set is that real text.
+    synthetic_kind: str = "structured"
 
     def __post_init__(self):
         self.train, self.eval = list(self.train), list(self.eval)
@@ -52,6 +56,8 @@ class DataConfig:
             raise ValueError(f"DataConfig.seq_len={self.seq_len!r}; allowed: 2..{MAX_SEQ_LEN}")
         if self.text_split not in ("file", "lines"):
             raise ValueError(f"DataConfig.text_split={self.text_split!r}; allowed: ['file', 'lines']")
+        if self.synthetic_kind not in ("structured", "uniform"):
+            raise ValueError(f"DataConfig.synthetic_kind={self.synthetic_kind!r}; allowed: ['structured', 'uniform']")
         if self.eval_samples < 0 or self.synthetic < 0:
             raise ValueError(f"DataConfig eval_samples={self.eval_samples!r}, synthetic={self.synthetic!r}; "
                              f"allowed: ints >= 0")
@@ -239,10 +245,34 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int) -> Samples:
     return Samples(ids, torch.ones(n, seq_len, dtype=torch.bool), torch.ones(n, seq_len, dtype=torch.long))
 
 
+def special_ids(tok) -> List[int]:
+    ids = getattr(tok, "all_special_ids", None)
+    if ids is None:
+        ids = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def uniform_samples(n: int, seq_len: int, vocab: int, seed: int, exclude: Sequence[int] = ()) -> Samples:
+    """Token ids drawn uniformly and independently from range(vocab) minus ``exclude``."""
+    keep = torch.ones(vocab, dtype=torch.bool)
+    bad = [i for i in exclude if 0 <= i < vocab]
+    keep[bad] = False
+    pool = torch.nonzero(keep).flatten()
+    g = torch.Generator().manual_seed(seed)
+    ids = pool[torch.randint(0, len(pool), (n, seq_len), generator=g)]
+    return Samples(ids, torch.ones(n, seq_len, dtype=torch.bool), torch.ones(n, seq_len, dtype=torch.long))
+
+
 def load_data(cfg: DataConfig, tok, vocab: int, seed: int) -> Tuple[Samples, Samples]:
     """(train, eval) samples."""
     if cfg.synthetic:
-        allx = synthetic_samples(cfg.synthetic + cfg.eval_samples, cfg.seq_len, vocab, seed)
+        n_ev = 0 if cfg.eval else cfg.eval_samples
+        if cfg.synthetic_kind == "uniform":
+            allx = uniform_samples(cfg.synthetic + n_ev, cfg.seq_len, vocab, seed, special_ids(tok))
+        else:
+            allx = synthetic_samples(cfg.synthetic + n_ev, cfg.seq_len, vocab, seed)
+        if cfg.eval:
+            return allx.slice(0, cfg.synthetic), build_samples(cfg.eval, tok, cfg)
         return allx.slice(0, cfg.synthetic), allx.slice(cfg.synthetic, len(allx))
     if not cfg.train:
         raise ValueError("DataConfig.train is empty; give files/directories, or data.synthetic=N for random tokens")

@@ -1,4 +1,4 @@
-"""The QAT / QAD trainer under DeepSpeed: one function, :func:`run`, from a RunConfig to a run dir.
+"""The training loop under DeepSpeed: :func:`run`, from a RunConfig to a run dir and a Student.
 
     run_dir/config.yaml        the resolved config
     run_dir/metrics.jsonl      one line per logged step and per evaluation (tb/ too when installed)
@@ -6,19 +6,27 @@
     run_dir/teacher_cache/     cached-teacher runs: top-k log-probabilities (train/ and eval/)
     run_dir/plots/*.png        curves; run_dir/summary.json + printed summary at the end
     run_dir/student/           quantize.save_student (train.save_student), input of `qatfactory export`
-    run_dir/export-<engine>/   when export.enabled (then verified with the exporter's own check)
+
+The loop owns distributed init, the DeepSpeed engine, data order, the optimizer and LR schedule,
+logging, evaluation, checkpoints and resume; the method (train/methods/, picked by method.name)
+says what it needs, prepares the student, gives the loss of each micro-batch and what it exports.
+The run returns the student (``summary["student"]``, a methods.Student); the face ships it
+(``qatfactory.ship``: export + the parity gate into run_dir/export-<engine>/ when export.enabled).
 
 Launch: ``qatfactory train k=v ...`` / ``python -m qatfactory.train k=v ...`` (one process; the env
 vars DeepSpeed expects are set here) or ``deepspeed --num_gpus N -m qatfactory.train k=v ...``.
 Every rank reads the same data and takes its slice of each global micro-batch (data.py).
 
-Order of work: distributed init -> tokenizer, data -> student (and teacher copy) -> quantize.prepare
--> calibrate -> deepspeed.initialize -> [resume] -> eval at start -> train/eval/save -> final eval,
-checkpoint, summary, plots, export. ``ptq`` stops after the first evaluation.
+Order of work: distributed init -> tokenizer, data -> student (and teacher copy) -> Method.prepare
+(quantize.prepare, calibrate) -> teacher -> deepspeed.initialize -> [resume] -> Method.begin -> eval at
+start -> train/eval/save -> Method.end, final eval, checkpoint, summary, plots -> Method.export.
+``ptq`` (needs.trains False) stops after the first evaluation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -26,19 +34,22 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_loss, lm_metrics
+from .. import _fsutil
+from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
+from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
 from ..nn import step_cache
-from ..distill.teachers import (CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm)
 from . import checkpoint as ckpt
 from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
+from .methods import Context, Method, Student, get_method
+from .stream_export import cpu_student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -147,9 +158,10 @@ def quantize_api():
 
 
 class StudentLM(nn.Module):
-    """The module DeepSpeed wraps: forward runs the backbone and the chunked loss (or eval sums)."""
+    """The module DeepSpeed wraps: forward runs the method's loss (Method.loss), or the loop's
+    evaluation sums (``metrics=True``). Without a method the loss is the chunked ``loss_cfg`` one."""
 
-    def __init__(self, lm: nn.Module, loss_cfg):
+    def __init__(self, lm: nn.Module, loss_cfg, method=None):
         super().__init__()
         self.lm = lm
         self.loss_cfg = loss_cfg
@@ -157,11 +169,14 @@ class StudentLM(nn.Module):
         # kept outside the module tree: they are already registered under self.lm
         object.__setattr__(self, "_backbone", backbone)
         object.__setattr__(self, "_head", head)
+        object.__setattr__(self, "_method", method)
 
     def head_param(self):
         return head_weight(self._head)
 
-    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False):
+    def shifted(self, input_ids, attn, mask, teacher=None):
+        """(hidden [B, T-1, H] or logits when the head is not a plain linear, head weight or None,
+        next-token labels, the mask of counted targets, the teacher's outputs at the same positions)."""
         out = self._backbone(input_ids=input_ids, attention_mask=attn, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         w = head_weight(self._head)
@@ -174,19 +189,24 @@ class StudentLM(nn.Module):
             teacher = TopKTeacherOut(teacher.logprobs[:, :-1], teacher.indices[:, :-1])
         elif teacher is not None:
             teacher = LiveTeacherOut(teacher.hidden[:, :-1], teacher.weight)
+        return h, w, labels, m, teacher
+
+    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False):
         if metrics:
-            s = lm_metrics(h, w, labels, m, teacher, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
+            h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher)
+            s = lm_metrics(h, w, labels, m, t, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
             return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
                                 device=input_ids.device)
-        return lm_loss(h, w, labels, m, teacher if self.loss_cfg.needs_teacher else None, self.loss_cfg)
+        method = self._method if self._method is not None else Method()
+        return method.loss(self, input_ids, attn, mask, teacher)
 
 
-def lr_lambda(tcfg):
-    """LR factor per optimizer step. With train.quant_start (issue 19) the schedule runs over the
-    full-precision steps, then restarts over the quantized ones, scaled by quant_lr / lr."""
+def lr_lambda(tcfg, restart: Tuple[int, float] = (0, 1.0)):
+    """LR factor per optimizer step: warmup, then constant or cosine to min_lr_ratio. ``restart``
+    (step s0, factor r; Method.lr_restart): the schedule runs over the first s0 steps, then starts
+    again over the rest, scaled by r (ParetoQ's quant_start: r = quant_lr / lr)."""
     warm, total, floor = int(tcfg.warmup_steps), int(tcfg.max_steps), float(tcfg.min_lr_ratio)
-    s0 = quant_switch_step(tcfg)
-    ratio = float(tcfg.quant_lr or tcfg.lr) / float(tcfg.lr)
+    s0, ratio = int(restart[0]), float(restart[1])
 
     def sched(step: int, length: int) -> float:
         if warm and step < warm:
@@ -201,33 +221,6 @@ def lr_lambda(tcfg):
             return sched(step, s0)
         return ratio * sched(step - s0, total - s0)
     return f
-
-
-# ----------------------------------------------------------------------------- issue 19: quant_start
-# ParetoQ's schedule, in these helpers and the marked lines of _run until issue 15 moves it behind
-# the method seam: quantizers off for the first quant_switch_step() steps, then the switch.
-def quant_switch_step(tcfg) -> int:
-    """Optimizer steps trained with quantization off (round(quant_start * max_steps))."""
-    return int(round(float(getattr(tcfg, "quant_start", 0.0) or 0.0) * int(tcfg.max_steps)))
-
-
-def switch_quantization_on(engine, model, calib, method: str) -> None:
-    """Quantizers on, scales calibrated from the weights trained so far, the optimizer's fp32 masters
-    re-read from the module (calibration wrote the scales there) and its state cleared (a fresh
-    AdamW, as ParetoQ's QAT starts from a full-precision checkpoint)."""
-    Q = quantize_api()
-    Q.set_quantization(model, True)
-    Q.calibrate(model, calib, method)
-    opt = engine.optimizer
-    if opt is not None:
-        if hasattr(opt, "refresh_fp32_params"):      # DeepSpeed's ZeRO-1/2 and bf16 wrappers
-            opt.refresh_fp32_params()
-        base = opt
-        while not isinstance(base, torch.optim.Optimizer) and getattr(base, "optimizer", None) is not None:
-            base = base.optimizer
-        if isinstance(base, torch.optim.Optimizer):
-            base.state.clear()
-    step_cache.weights_changed()
 
 
 def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, Any]:
@@ -253,6 +246,21 @@ def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, An
     return d
 
 
+def reset_optimizer(engine) -> None:
+    """The optimizer's fp32 masters re-read from the module (after something wrote the weights,
+    e.g. a calibration) and its state cleared: the next step is a fresh AdamW's first."""
+    opt = engine.optimizer
+    if opt is not None:
+        if hasattr(opt, "refresh_fp32_params"):      # DeepSpeed's ZeRO-1/2 and bf16 wrappers
+            opt.refresh_fp32_params()
+        base = opt
+        while not isinstance(base, torch.optim.Optimizer) and getattr(base, "optimizer", None) is not None:
+            base = base.optimizer
+        if isinstance(base, torch.optim.Optimizer):
+            base.state.clear()
+    step_cache.weights_changed()
+
+
 # ----------------------------------------------------------------------------- the run
 class _Teacher:
     """Uniform access to a live or cached teacher for train and eval samples."""
@@ -260,21 +268,28 @@ class _Teacher:
     def __init__(self, live: Optional[LiveTeacher] = None, train_cache=None, eval_cache=None):
         self.live, self.caches = live, {"train": train_cache, "eval": eval_cache}
 
+    @property
+    def has_eval(self) -> bool:
+        """Whether evaluations see the teacher (KL, top-1 agreement)."""
+        return self.live is not None or self.caches["eval"] is not None
+
     def batch(self, split: str, batch: Dict[str, torch.Tensor], device):
-        import contextlib
         if self.live is not None:
             return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device))
         t = self.caches[split].get(batch["sample_ids"])
         return contextlib.nullcontext(TopKTeacherOut(t.logprobs.to(device), t.indices.to(device)))
 
 
-def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, world: int, device) -> Dict[str, float]:
-    """KL to the teacher, CE, perplexity and top-1 agreement on the held-out samples (all ranks)."""
-    n = len(samples) if not cfg.train.eval_samples else min(len(samples), cfg.train.eval_samples)
-    mb = cfg.train.micro_batch
+def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world: int, device) -> Dict[str, float]:
+    """KL to the teacher, CE, perplexity and top-1 agreement over the first ``n`` held-out samples
+    (all ranks). ``model``: a StudentLM, or the DeepSpeed engine wrapping one; ``teacher``: an
+    object with ``batch(split, batch, device)`` (a context manager of the teacher's outputs) and
+    ``has_eval``, or None."""
+    mb = micro_batch
     sums = torch.zeros(4, dtype=torch.float64)
-    was_training = engine.module.training
-    engine.eval()
+    mod = getattr(model, "module", model)
+    was_training = mod.training
+    model.eval()
     with torch.no_grad():
         # every rank runs the same number of forwards (ZeRO-3 gathers are collective)
         per_rank = math.ceil(math.ceil(n / world) / mb)
@@ -285,12 +300,12 @@ def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, worl
             if not real:
                 idx = [0]
             b = samples.select(idx)
-            with teacher.batch("eval", b, device) if teacher is not None else _null() as t:
-                s = engine(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True)
+            with teacher.batch("eval", b, device) if teacher is not None else contextlib.nullcontext() as t:
+                s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True)
             if real:
                 sums += s.cpu()
     if was_training:
-        engine.train()
+        model.train()
     if world > 1:
         st = sums.to(device)
         torch.distributed.all_reduce(st)
@@ -298,33 +313,63 @@ def evaluate(engine, samples, teacher: _Teacher, cfg: RunConfig, rank: int, worl
     tok = max(float(sums[0]), 1.0)
     out = {"eval/tokens": float(sums[0]), "eval/ce": float(sums[2]) / tok}
     out["eval/ppl"] = math.exp(min(out["eval/ce"], 50.0))
-    if teacher is not None and (teacher.live is not None or teacher.caches["eval"] is not None):
+    if teacher is not None and teacher.has_eval:
         out["eval/kl"] = float(sums[1]) / tok
         out["eval/top1"] = float(sums[3]) / tok
     return out
 
 
+def eval_count(cfg: RunConfig, samples) -> int:
+    """How many held-out samples an evaluation reads (train.eval_samples; 0: all)."""
+    return len(samples) if not cfg.train.eval_samples else min(len(samples), cfg.train.eval_samples)
+
+
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
-    """Train (or only calibrate and evaluate, for ptq) as cfg says; returns the summary dict.
-    ``eval_only``: restore cfg.resume and evaluate it, no training."""
-    # --- issue 20 (RL): method=grpo|dapo run their own loop (train/rl_loop.py) until the Method seam
-    if cfg.method.name in ("grpo", "dapo"):
-        from .rl_loop import run as run_rl
-        return run_rl(cfg, eval_only)
-    # --- end issue 20
-    # --- issue 18 (scale adapters): method=scale_adapter runs its own loop (train/scale_loop.py) until the seam
-    if cfg.method.name == "scale_adapter":
-        from .scale_loop import run as run_scale
-        return run_scale(cfg, eval_only)
-    # --- end issue 18
+    """Train (or only calibrate and evaluate, for ptq) as cfg says; returns the summary dict, with
+    ``summary["student"]`` (methods.Student: what the face ships) and ``summary["engine"]``.
+    ``eval_only``: restore cfg.resume and evaluate it, no training. A method with a loop of its
+    own (Method.own_loop: RL, scale adapters) runs that instead."""
+    cfg = validate(cfg)
+    method = get_method(cfg.method.name)
+    if method.own_loop is not None:
+        return method.own_loop(cfg, eval_only)
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
     with step_cache.enabled():
-        return _run(cfg, eval_only)
+        return _run(cfg, method, eval_only)
 
 
-def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
+def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, eval_s, run_dir: Path, rank: int,
+                  device: str, dev, vocab: int, eval_only: bool) -> Optional[_Teacher]:
+    """The teacher the method asked for: live (a frozen copy, ZeRO-3-partitioned like the student),
+    or a top-k cache (rank 0 writes it once when missing; the teacher is then dropped)."""
+    if kind is None:
+        return None
+    t, m = cfg.train, cfg.method
+    tdtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    tmodel = load_teacher_model(cfg, teacher_init)
+    zero3 = ds_config(cfg, device, False) if t.zero_stage == 3 else None
+    if kind == "live":
+        return _Teacher(LiveTeacher(tmodel, tdtype, dev, zero3_config=zero3))
+    cache_root = Path(m.teacher_cache or (run_dir / "teacher_cache"))
+    for split, s in (("train", train_s), ("eval", eval_s)):
+        if eval_only and not (cache_root / split / "meta.json").exists():
+            # an evaluation writes nothing but its own result file
+            raise FileNotFoundError(f"method.teacher=cached: {cache_root / split / 'meta.json'} not found; "
+                                    f"evaluate with the run's teacher cache, or method.teacher=live")
+        # rank 0 alone decides and writes; every rank passes the barrier either way
+        if rank == 0 and not (cache_root / split / "meta.json").exists():
+            lt = LiveTeacher(tmodel, tdtype, dev)
+            precompute_topk(lt, s, str(cache_root / split), m.topk, batch_size=t.micro_batch,
+                            chunk_tokens=m.loss.chunk_tokens, logprob_dtype=m.cache_dtype,
+                            teacher_name=m.teacher_path or cfg.model.name, vocab=vocab)
+        _barrier()
+    del tmodel
+    return _Teacher(None, CachedTeacher(str(cache_root / "train"), train_s.fingerprint(), cfg.data.seq_len),
+                    CachedTeacher(str(cache_root / "eval"), eval_s.fingerprint(), cfg.data.seq_len))
+
+
+def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
     import deepspeed
-    cfg = validate(cfg)
     t = cfg.train
     device = _resolve_device(t.device)
     init_distributed(device)
@@ -344,57 +389,23 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     vocab = model.get_output_embeddings().weight.shape[0]
     train_s, eval_s = load_data(cfg.data, tok, vocab, t.seed)
     m = cfg.method
-    # qad needs the teacher to train; qat/ptq load it only to report KL and top-1 agreement
-    wants_teacher = m.loss.needs_teacher or m.eval_teacher
-    teacher_init = copy.deepcopy(model) if (wants_teacher and not m.teacher_path) else None
+    # the teacher the method trains from, or one loaded only to report KL and top-1 agreement
+    tkind = method.teacher(cfg)
+    teacher_init = copy.deepcopy(model) if (tkind and not m.teacher_path) else None
 
+    ctx = Context(cfg=cfg, rank=rank, world=world, device=dev, run_dir=run_dir, model=model, train_data=train_s,
+                  eval_data=eval_s, source_dir=source_dir, resumed=resume_from is not None)
+    method.prepare(ctx)
+    model = ctx.model
     quantized = cfg.quant.weight_format not in NO_QUANT
-    if quantized:
-        Q = quantize_api()
-        model = Q.prepare(model, cfg.quant) or model
-        if rank == 0:
-            tot = Q.coverage(model).totals
-            print(f"[qatfactory] quantized {100 * tot['asked_fraction']:.1f}% of the {tot['asked_params']:,} "
-                  f"Linear-like parameters asked for ({tot['bits_per_quantized_param']:.3f} bits each)"
-                  + ("" if tot["asked_fraction"] >= 1.0 else f"; kept as they are: {tot['not_quantized'][:4]}"),
-                  flush=True)
-        n = min(m.calib_samples, len(train_s))
-        calib = [{"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
-                 for b in (train_s.select([i]) for i in range(n))]
-        if m.calibrate and resume_from is None:
-            Q.calibrate(model, calib, cfg.quant.calib_method)
     if t.grad_ckpt:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    tdtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    teacher = None
-    if wants_teacher:
-        tmodel = load_teacher_model(cfg, teacher_init)
-        zero3 = ds_config(cfg, device, False) if t.zero_stage == 3 else None
-        if m.teacher == "cached":
-            cache_root = Path(m.teacher_cache or (run_dir / "teacher_cache"))
-            for split, s in (("train", train_s), ("eval", eval_s)):
-                if eval_only and not (cache_root / split / "meta.json").exists():
-                    # an evaluation writes nothing but its own result file
-                    raise FileNotFoundError(f"method.teacher=cached: {cache_root / split / 'meta.json'} not found; "
-                                            f"evaluate with the run's teacher cache, or method.teacher=live")
-                # rank 0 alone decides and writes; every rank passes the barrier either way
-                if rank == 0 and not (cache_root / split / "meta.json").exists():
-                    lt = LiveTeacher(tmodel, tdtype, dev)
-                    precompute_topk(lt, s, str(cache_root / split), m.topk, batch_size=t.micro_batch,
-                                    chunk_tokens=m.loss.chunk_tokens, logprob_dtype=m.cache_dtype,
-                                    teacher_name=m.teacher_path or cfg.model.name, vocab=vocab)
-                _barrier()
-            del tmodel
-            teacher = _Teacher(None, CachedTeacher(str(cache_root / "train"), train_s.fingerprint(), cfg.data.seq_len),
-                               CachedTeacher(str(cache_root / "eval"), eval_s.fingerprint(), cfg.data.seq_len))
-        else:
-            teacher = _Teacher(LiveTeacher(tmodel, tdtype, dev, zero3_config=zero3))
+    teacher = _load_teacher(cfg, tkind, teacher_init, train_s, eval_s, run_dir, rank, device, dev, vocab, eval_only)
     teacher_init = None
 
     # -- DeepSpeed
-    student = StudentLM(model, m.loss)
+    student = StudentLM(model, m.loss, method)
     hw = student.head_param()
     if t.zero_stage == 3:
         if hw is not None:
@@ -402,7 +413,7 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         if quantized:
             # fused q/k/v (gate/up) share one amax computed from all members' weights
             quantize_api().register_zero3_external_params(model)
-    train_now = m.name != "ptq" and not eval_only
+    train_now = method.needs.trains and not eval_only
     params = [p for p in student.parameters() if p.requires_grad]
     if train_now and not params:
         raise ValueError(f"method={m.name}: no trainable parameters after quantize.prepare")
@@ -412,42 +423,46 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         kw["model_parameters"] = params
         if "optimizer" not in dcfg:
             kw["optimizer"] = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
+        restart = method.lr_restart(cfg)
+        kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t, restart))
     engine, *_ = deepspeed.initialize(model=student, config=dcfg, **kw)
     step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
 
-    step, position, history = 0, 0, []
-    logger_start = 0
+    position, logger_start = 0, 0
     st: Dict[str, Any] = {}
     if resume_from is not None:
         st = ckpt.load(engine, resume_from, rank)
         step_cache.weights_changed()
-        step, position, history = st["step"], st["position"], st.get("eval_history", [])
-        logger_start = step
-    # issue 19: quantization off until step s0 (train.quant_start); a checkpoint says which side it is on
-    s0 = quant_switch_step(t) if quantized else 0
-    quant_on = True
-    if s0 > 0:
-        quant_on = bool(st.get("quant_on", step > s0))
-        quantize_api().set_quantization(model, quant_on)
+        ctx.step, position, ctx.history = st["step"], st["position"], st.get("eval_history", [])
+        logger_start = ctx.step
+    history = ctx.history
     # an eval of a checkpoint leaves the run's own logs alone
     log = RunLogger(run_dir, rank == 0 and not eval_only, t.tensorboard, t.progress,
                     t.max_steps if train_now else 0, logger_start)
     if decision.get("restart"):
         log.truncate_after(-1)           # the same run starting over: its old records are redone
     if resume_from is not None:
-        log.truncate_after(step)
+        log.truncate_after(ctx.step)
         if rank == 0:
-            print(f"[qatfactory] resumed from {resume_from} at step {step}", flush=True)
+            print(f"[qatfactory] resumed from {resume_from} at step {ctx.step}", flush=True)
 
     def do_eval():
-        r = evaluate(engine, eval_s, teacher, cfg, rank, world, dev)
-        r["step"] = step
-        if s0 > 0:
-            r["quant_on"] = quant_on
+        r = evaluate(engine, eval_s, teacher, eval_count(cfg, eval_s), t.micro_batch, rank, world, dev)
+        r["step"] = ctx.step
+        r.update(method.eval_tags())
         history.append(r)
         log.log(r)
         return r
+
+    def forward(b, tout):
+        return engine(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
+
+    def teacher_outputs(split, b):
+        return teacher.batch(split, b, dev) if teacher is not None else contextlib.nullcontext()
+
+    ctx.forward, ctx.evaluate, ctx.teacher_outputs = forward, do_eval, teacher_outputs
+    ctx.reset_optimizer = lambda: reset_optimizer(engine)
+    method.begin(ctx, st)
 
     if resume_from is None or eval_only:
         do_eval()
@@ -455,40 +470,32 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
     order = Order(len(train_s), t.seed)
 
     def state():
-        d = {"step": step, "position": position, "eval_history": history, "config": to_dict(cfg),
+        d = {"step": ctx.step, "position": position, "eval_history": history, "config": to_dict(cfg),
              "world_size": world}
-        if s0 > 0:
-            d["quant_on"] = quant_on
+        d.update(method.state())
         return d
 
-    def quant_switch():            # issue 19: the full-precision model's eval, then quantization on
-        nonlocal quant_on
-        if not history or history[-1]["step"] != step:
-            do_eval()
-        switch_quantization_on(engine, model, calib, cfg.quant.calib_method if m.calibrate else "max")
-        quant_on = True
-        if rank == 0:
-            print(f"[qatfactory] step {step}: quantization on ({cfg.quant.weight_format}), scales calibrated, "
-                  f"LR schedule restarted", flush=True)
-
-    while train_now and step < t.max_steps:
-        if not quant_on and step >= s0:
-            quant_switch()
+    while train_now and ctx.step < t.max_steps:
+        method.before_step(ctx)
         ts = time.time()
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         lr_now = float(engine.get_lr()[0])
         for _ in range(t.grad_accum):
             b = rank_batch(train_s, order, position, t.micro_batch, rank, world)
             position += t.micro_batch * world
-            with teacher.batch("train", b, dev) if teacher is not None else _null() as tout:
-                loss = engine(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
+            loss = method.train_step(ctx, b)
             # the chunked loss took its gradients in forward: the teacher (and its gathered
             # lm_head under ZeRO-3) is no longer needed for backward
             engine.backward(loss)
+            # the weights change only at the accumulation boundary: the other micro-batches reuse the
+            # step's fake-quantized weights (nn/weight_cache.py; torch optimizers also signal it)
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
-            step_cache.weights_changed()
+            if boundary:
+                step_cache.weights_changed()
             loss_sum += loss.detach().double()      # stays on the device: one host sync per step
-        step += 1
+        ctx.step += 1
+        step = ctx.step
         if world > 1:
             torch.distributed.all_reduce(loss_sum)
             loss_sum = loss_sum / world
@@ -498,7 +505,8 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
         rec = {"step": step, "loss": loss_v, "lr": lr_now, "step_ms": dt * 1000.0,
                "tokens_per_s": tokens_per_step / max(dt, 1e-9), "mem_gb": memory_gb()}
         lc = m.loss
-        if lc.kind == "forward_kl" and lc.ce_weight == 0 and lc.kd_weight == 1 and lc.temperature == 1:
+        if lc.kind == "forward_kl" and lc.ce_weight == 0 and lc.kd_weight == 1 and lc.temperature == 1 \
+                and type(method).loss is Method.loss:
             rec["kl"] = loss_v       # the loss is then exactly the mean KL(teacher || student)
         if step % t.log_every == 0 or step == t.max_steps:
             log.log(rec)
@@ -512,10 +520,10 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
             do_eval()
         if t.save_every and step % t.save_every == 0 and step != t.max_steps:
             ckpt.save(engine, run_dir, step, state(), t.keep_last, rank)
+    step = ctx.step
     if train_now:
-        if not quant_on:           # quant_start = 1: full precision all along, then PTQ of the result
-            quant_switch()
-        if not history or history[-1]["step"] != step or history[-1].get("quant_on") is False:
+        changed = method.end(ctx)
+        if changed or not history or history[-1]["step"] != step:
             do_eval()
         if t.save_final:
             ckpt.save(engine, run_dir, step, state(), t.keep_last, rank)
@@ -525,115 +533,44 @@ def _run(cfg: RunConfig, eval_only: bool) -> Dict[str, Any]:
                "steps": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0, "world_size": world,
                "eval_first": history[0] if history else None, "eval_last": history[-1] if history else None,
                "eval_history": history}
+    handed = Student(model=model)
     if not eval_only:
         # ZeRO-3: the last forward can leave prefetched parameters in flight; release them all
-        # before _finalize gathers the full weights (GatheredParameters refuses in-flight ones)
+        # before the hand-over gathers the full weights (GatheredParameters refuses in-flight ones)
         engine.empty_partition_cache()
-        summary.update(_finalize(cfg, student, run_dir, rank, source_dir, decision.get("export_dir")))
+        handed = _hand_over(ctx, method, student, decision.get("export_dir"))
+        if handed.student_dir:
+            summary["student_dir"] = handed.student_dir
     if rank == 0:
         name = f"eval-step-{step:06d}.json" if eval_only else "summary.json"
         run_dir.mkdir(parents=True, exist_ok=True)
-        from .. import _fsutil
         _fsutil.write_text_atomic(run_dir / name, json.dumps(summary, indent=1, default=str))
         if t.plots and not eval_only:
             plot_curves(run_dir)
         print(summary_text(summary), flush=True)
+    summary["student"] = handed
     summary["engine"] = engine
     return summary
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _finalize(cfg: RunConfig, student: StudentLM, run_dir: Path, rank: int, source_dir,
-              export_dir: Optional[str] = None) -> Dict[str, Any]:
-    """Save the student (quantize.save_student: weights + quantizer state) and, when export.enabled,
-    convert() it and hand it to the exporter, then verify the export. Rank 0 does the writing;
-    under ZeRO-3 every rank joins the gathers first, one layer at a time into a CPU copy on rank 0
-    (stream_export.py; ``summary["gather"]``). A gate that does not PASS moves the export to
-    ``<dir>.FAILED`` with a FAILED.json inside (``summary["verify"]`` says why)."""
-    out: Dict[str, Any] = {}
-    quantized = cfg.quant.weight_format not in NO_QUANT
-    if cfg.export.enabled and not quantized:
-        raise ValueError("export.enabled with format=bf16: nothing is quantized; pick a format recipe")
+def _hand_over(ctx: Context, method: Method, student: StudentLM, export_dir: Optional[str]) -> Student:
+    """Method.export on rank 0 with the full weights (every rank joins the ZeRO-3 gather first):
+    the student directory, and the converted model when the run asks for an export (the face
+    ships it). Nothing happens when the run saves no student and exports nothing."""
+    cfg = ctx.cfg
+    out = Student(model=ctx.model)
     if not (cfg.train.save_student or cfg.export.enabled):
         return out
-    import contextlib
-    lm = student.lm
     if any(hasattr(p, "ds_id") for p in student.parameters()):
-        # ZeRO-3: gathered one layer at a time into a CPU copy on rank 0, never the whole model
-        # on a GPU (issue 23, stream_export.py); every rank joins each gather
-        from .stream_export import cpu_student
-        lm, out["gather"] = cpu_student(student.lm, rank)
-    with contextlib.nullcontext():
-        if rank == 0:
-            sdir = run_dir / "student"
-            if quantized:
-                from .. import quantize as Q
-                Q.save_student(lm, str(sdir))
-            elif cfg.train.save_student:
-                from .. import _fsutil
-                with _fsutil.atomic_dir(sdir, replace=True, kinds=("student",), what="save_student") as tmp:
-                    lm.save_pretrained(str(tmp))   # a plain HF model
-                    (tmp / _fsutil.STUDENT_RECORD).write_text(json.dumps({"quant_config": None, "plain": True}))
-            out["student_dir"] = str(sdir)
-            if cfg.export.enabled:
-                from .. import quantize as Q
-                try:
-                    from ..exporters import export, verify
-                except ImportError as e:
-                    raise ImportError(f"export.enabled but qatfactory.exporters is not available ({e})") from None
-                converted = Q.convert(lm)
-                if source_dir and converted.source_dir is None:
-                    converted.source_dir = source_dir
-                edir = Path(export_dir or cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
-                # force replaces only an empty directory or an earlier export of ours (checked
-                # before training too, in rundir.prepare); never a user directory
-                r = export(converted, str(edir), engine=cfg.export.engine, flavour=cfg.export.flavour, force=True)
-                out["export_dir"] = str(r.path)
-                if cfg.export.verify:
-                    res = verify(r.path, converted)
-                    out["verify"] = gate_summary(res)
-                    out["verify_ok"] = out["verify"]["verdict"] == "PASS"
-                    if not out["verify_ok"]:
-                        out["export_dir"] = str(mark_failed(r.path, out["verify"]))
-                        out["verify"]["moved_to"] = out["export_dir"]
+        # ZeRO-3: gathered one layer at a time into a CPU copy on rank 0, never the whole model on a
+        # GPU (issue 23, stream_export.py); every rank joins each gather
+        lm, gathered = cpu_student(student.lm, ctx.rank)
+        if ctx.rank == 0:
+            out = method.export(dataclasses.replace(ctx, model=lm)).request(cfg, ctx.run_dir, export_dir)
+            out.gather = gathered
+        _barrier()
+        return out
+    if ctx.rank == 0:
+        out = method.export(ctx).request(cfg, ctx.run_dir, export_dir)
     _barrier()
     return out
-
-
-def gate_summary(res) -> Dict[str, Any]:
-    """Verdict and reasons of an exporters.verify result: ``res.verdict`` (PASS / FAIL / INCOMPLETE)
-    when the gate has it, else PASS exactly when ``res.ok``."""
-    v = getattr(res, "verdict", None)
-    v = v if v in ("PASS", "FAIL", "INCOMPLETE") else ("PASS" if bool(res.ok) else "FAIL")
-    if v != "PASS" and bool(getattr(res, "ok", False)):
-        v = "FAIL"
-    checks = list(getattr(res, "checks", []) or [])
-    bad = [c for c in checks if str(getattr(c, "status", "")).upper() not in ("OK", "SKIP", "PASS")]
-    reasons = [f"{getattr(c, 'tensor', '')}: {getattr(c, 'check', '')}: {getattr(c, 'status', '')}: "
-               f"{getattr(c, 'detail', '')}" for c in bad][:10]
-    if v != "PASS" and not reasons:
-        reasons = [f"{sum(1 for c in checks if str(getattr(c, 'status', '')).upper() == 'SKIP')} required "
-                   f"check(s) did not run" if checks else "no check ran"]
-    return {"verdict": v, "reasons": reasons, "checks": len(checks)}
-
-
-def mark_failed(edir: Path, gate: Dict[str, Any]) -> Path:
-    """Move a failed export out of the way: ``<dir>.FAILED`` with FAILED.json (verdict, reasons)
-    inside, so nothing serves it by its usual path; an earlier ``.FAILED`` of ours is replaced."""
-    from .. import _fsutil
-    edir = Path(edir)
-    failed = edir.with_name(edir.name + ".FAILED")
-    _fsutil.write_text_atomic(edir / "FAILED.json", json.dumps(
-        {"verdict": gate["verdict"], "reasons": gate["reasons"], "exported_as": str(edir),
-         "what": "the parity gate did not PASS on this export; do not serve it (see README, reliability)"},
-        indent=1))
-    _fsutil.check_replaceable(failed, ("export",), "export.out_dir")
-    _fsutil.swap_in(edir, failed)
-    return failed

@@ -1,12 +1,13 @@
 """GRPO / DAPO with LoRA on a quantized (or bf16) base under DeepSpeed: :func:`run` for method=grpo|dapo.
 
-Self-contained on purpose: the Method seam (issue 15) will wrap it; it reuses the trainer's
-distributed init, model building, DeepSpeed config, LR schedule, logger and exporters.
+The loop of the registered methods grpo / dapo (train/methods/grpo.py, ``Method.own_loop``); it
+reuses the trainer's distributed init, model building, DeepSpeed config, LR schedule and logger, and
+returns its student like every run (``summary["student"]``): the face ships it.
 
     run_dir/config.yaml, metrics.jsonl, plots/rl.png, summary.json
     run_dir/adapter/           the trained adapter as a PEFT LoRA directory (lora_mode=adapter)
     run_dir/student/           quantize.save_student of the QA-LoRA student (lora_mode=merged)
-    run_dir/export-<engine>/   when export.enabled, verified by the exporter's own gate
+    run_dir/export-<engine>/   when export.enabled: written and gated by the face (qatfactory.ship)
 
 The student. ``lora_mode=adapter`` (QeRL): quantize.prepare (+ calibrate), every parameter frozen,
 a side LoRA on the targets (nn/adapter.py), and the base frozen once at its fake-quantized weights
@@ -56,8 +57,9 @@ from ..distill import rl as RL
 from ..distill.rewards import Task, make_task
 from ..distill.rollout import SamplingConfig, generate
 from ..nn import adapter as AD
-from .config import NO_QUANT, RunConfig, to_dict, validate
+from .config import NO_QUANT, RunConfig, validate
 from .data import _encode, load_tokenizer  # noqa: F401  (load_tokenizer re-exported for benchmarks)
+from .methods import Student
 from .runlog import RunLogger, memory_gb, read_metrics
 
 RL_METHODS = ("grpo", "dapo")
@@ -160,8 +162,6 @@ def check(cfg: RunConfig, world: int) -> None:
     if cfg.quant.lora.rank and r.lora_mode == "adapter":
         raise ValueError("method=grpo|dapo takes its LoRA from method.rl.lora_*; quant.lora.rank must be 0 "
                          "(quant.lora is the merged adapter of method=qad_lora)")
-    if cfg.export.enabled and not quantized:
-        raise ValueError("export.enabled with format=bf16: nothing is quantized; pick a format recipe")
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -225,7 +225,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     dev = torch.device(device, int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
     seed_all(t.seed)
     # the same run-directory rules as every run: never another run's or a user's directory
-    run_dir, _, _ = rundir.prepare(cfg, rank, world, False)
+    run_dir, _, decision = rundir.prepare(cfg, rank, world, False)
     t0 = time.time()
 
     model, tok, source_dir = build_model(cfg, dev)
@@ -414,7 +414,9 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                                "tokens": tokens_total, "time_s": time.time() - t0, "world_size": world,
                                "eval_first": history[0] if history else None,
                                "eval_last": history[-1] if history else None, "eval_history": history}
-    summary.update(_finalize(cfg, lm, run_dir, rank, source_dir, eval_prompts, quantized, dev, pad))
+    out, student = _finalize(cfg, lm, run_dir, rank, source_dir, eval_prompts, quantized, dev, pad)
+    summary.update(out)
+    student.request(cfg, run_dir, decision.get("export_dir"))
     _barrier()
     if rank == 0:
         tmp = run_dir / ".summary.json.tmp"
@@ -423,6 +425,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         if t.plots:
             plot_rl(run_dir)
         print(summary_text(summary), flush=True)
+    summary["student"] = student
     summary["engine"] = engine
     return summary
 
@@ -476,25 +479,24 @@ def _policy_logits(lm, prompts, pad, device, quantized):
 
 
 def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_prompts, quantized, device,
-              pad: int) -> Dict[str, Any]:
-    """Rank 0 writes the adapter / student and the export (then verified by the exporter's gate)."""
+              pad: int):
+    """Rank 0 writes the adapter / student and, when the run asks for an export, converts what it
+    ships: (summary entries, Student). export_lora=merge first merges the adapter into the quantized
+    base and reports how far that moves the trained policy."""
     out: Dict[str, Any] = {}
     r = cfg.method.rl
+    student = Student(model=lm)
     if rank != 0:
-        return out
+        return out, student
     if r.lora_mode == "adapter":
         out["adapter_dir"] = AD.save_peft_adapter(lm, str(run_dir / "adapter"), base_model=source_dir)
     elif cfg.train.save_student:
         from .. import quantize as Q
         Q.save_student(lm, str(run_dir / "student"))
-        out["student_dir"] = str(run_dir / "student")
+        out["student_dir"] = student.student_dir = str(run_dir / "student")
     if not cfg.export.enabled:
-        return out
+        return out, student
     from .. import quantize as Q
-    try:
-        from ..exporters import export, verify
-    except ImportError as e:
-        raise ImportError(f"export.enabled but qatfactory.exporters is not available ({e})") from None
     if r.lora_mode == "adapter" and r.export_lora == "merge":
         # the trained policy (frozen base + side adapter) vs what the merged export computes
         probe = eval_prompts[:8] or [[pad]]
@@ -507,19 +509,11 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
         out["merge_top1_agreement"] = float(top1)
         print(f"[qatfactory] export_lora=merge ships Q(W + s*B@A), not the trained frozen-base + adapter policy: "
               f"KL {float(kl):.3g}, top-1 agreement {float(top1):.3f} on {len(probe)} held-out prompts", flush=True)
-    converted = Q.convert(lm)
-    if source_dir and converted.source_dir is None:
-        converted.source_dir = source_dir
-    edir = Path(cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
-    res = export(converted, str(edir), engine=cfg.export.engine, flavour=cfg.export.flavour, force=True)
-    out["export_dir"] = str(res.path)
+    student.converted = Q.convert(lm)
+    if source_dir and student.converted.source_dir is None:
+        student.converted.source_dir = source_dir
     out["export_lora"] = r.export_lora if r.lora_mode == "adapter" else "merged"
-    if cfg.export.verify:
-        v = verify(res.path, converted)
-        out["verify_ok"] = bool(v.ok)
-        if not v.ok:
-            print(f"[qatfactory] export verification FAILED: {v.to_dict()}", flush=True)
-    return out
+    return out, student
 
 
 # ----------------------------------------------------------------------------- report
@@ -563,7 +557,7 @@ def summary_text(s: Dict[str, Any]) -> str:
         for k in ("accuracy", "reward", "format", "pass1_sampled", "entropy"):
             x, y = a.get(f"eval/{k}"), (b or {}).get(f"eval/{k}")
             lines.append(f"{'eval/' + k:20s}{'-' if x is None else f'{x:.4g}':>10s}{'-' if y is None else f'{y:.4g}':>10s}")
-    for k in ("adapter_dir", "student_dir", "export_dir", "verify_ok", "merge_kl_to_trained"):
+    for k in ("adapter_dir", "student_dir", "merge_kl_to_trained"):
         if k in s:
             lines.append(f"{k}: {s[k]}")
     return "\n".join(lines)

@@ -93,7 +93,7 @@ def compare(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[s
                 refused.append(line + " (the cosine / warmup schedule depends on it)")
             elif rest in ("seed", "device"):
                 warned.append(line)
-        elif top == "data":
+        elif top in ("data", "plugins"):     # plugins: method.name (compared above) says which method trains
             warned.append(line)
     return refused, warned
 

@@ -143,14 +143,4 @@ def summary_text(summary: Dict) -> str:
             lines.append(f"{'eval/' + k:14s}{fa:>12s}{fb:>12s}")
     if summary.get("student_dir"):
         lines.append(f"student: {summary['student_dir']}")
-    v = summary.get("verify")
-    if summary.get("export_dir"):
-        if v is None:
-            lines.append(f"export: {summary['export_dir']} (not verified: export.verify=false)")
-        elif v["verdict"] == "PASS":
-            lines.append(f"export: {summary['export_dir']}  parity gate PASS ({v['checks']} checks)")
-        else:
-            lines.append(f"export: parity gate {v['verdict']}: the export was moved to {summary['export_dir']} "
-                         f"(FAILED.json inside); do not serve it. Why:")
-            lines += [f"  {r}" for r in v["reasons"]]
     return "\n".join(lines)

@@ -2,17 +2,18 @@
 
     qatfactory train method=scale_adapter model.path=<native 4-bit export> data.train=[sft.jsonl] export=vllm
 
-Self-contained until the Method seam (issue 15) wraps it, like rl_loop.py; it reuses the trainer's
-distributed init, the loss module (StudentLM: next-token CE on the masked targets, e.g. the assistant
-turn of chat records), evaluation, DeepSpeed config, LR schedule, logger, run-directory rules and gate
-summary.
+The loop of the registered method scale_adapter (train/methods/scale_adapter.py, ``Method.own_loop``),
+like rl_loop.py; it reuses the trainer's distributed init, the loss module (StudentLM: next-token CE on
+the masked targets, e.g. the assistant turn of chat records), evaluation, DeepSpeed config, LR schedule,
+logger and run-directory rules, and returns its student (``summary["student"]``) for the face to ship.
 
     run_dir/config.yaml, metrics.jsonl (+ scales/changed, scales/saturated, scales/abs_theta per step)
     run_dir/scales.safetensors   the task's scale bytes (native.save_scale_file): the merge, a few % of the
                                  checkpoint, applies onto the base's code plane (``qatfactory scales``)
-    run_dir/export-<engine>/     when export.enabled: the base's codes + these scale bytes for vLLM/SGLang
-                                 (ModelOpt / compressed-tensors) or llama.cpp (GGUF), through the gate and
-                                 its code-plane hook (codes == the base's, logits == the training forward)
+    run_dir/export-<engine>/     when export.enabled (shipped by the face, qatfactory.ship): the base's codes
+                                 + these scale bytes for vLLM/SGLang (ModelOpt / compressed-tensors) or
+                                 llama.cpp (GGUF), through the gate with two more rows: codes == the base's
+                                 (Student.native_base), logits == the training forward (Student.training_logits)
 
 The model (native.build_model): every 4-bit linear a ScaleAdapterLinear (codes and scale bytes uint8
 buffers, so ZeRO neither casts nor partitions them; the per-tensor scale frozen, so still shared across
@@ -27,7 +28,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -36,6 +37,7 @@ from ..exitcodes import BadInputError, UsageError
 from ..nn import scale_adapter as SA
 from .config import RunConfig, validate
 from .data import Order, load_data, rank_batch
+from .methods import Student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -68,8 +70,8 @@ def _tokenizer(cfg: RunConfig, ck: NT.NativeCheckpoint):
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     import deepspeed
     from . import rundir
-    from .engine import (StudentLM, _barrier, _rank_world, _resolve_device, ds_config, evaluate, init_distributed,
-                         lr_lambda, seed_all)
+    from .engine import (StudentLM, _barrier, _rank_world, _resolve_device, ds_config, eval_count, evaluate,
+                         init_distributed, lr_lambda, seed_all)
     if eval_only:
         raise UsageError("method=scale_adapter: eval-only runs are not implemented; runs evaluate at start and end")
     cfg = validate(cfg)
@@ -118,7 +120,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     step, position = 0, 0
 
     def do_eval():
-        r = evaluate(engine, eval_s, None, cfg, rank, world, dev)
+        r = evaluate(engine, eval_s, None, eval_count(cfg, eval_s), t.micro_batch, rank, world, dev)
         r.update(SA.scale_stats(lm))
         r["step"] = step
         history.append(r)
@@ -160,7 +162,9 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                                "tokens": step * tokens_per_step, "time_s": time.time() - t0, "world_size": world,
                                "eval_first": history[0] if history else None,
                                "eval_last": history[-1] if history else None, "eval_history": history}
-    summary.update(_finalize(cfg, lm, ck, run_dir, rank, decision.get("export_dir")))
+    out, student = _finalize(cfg, lm, ck, run_dir, rank)
+    summary.update(out)
+    student.request(cfg, run_dir, decision.get("export_dir"))
     _barrier()
     if rank == 0:
         from .. import _fsutil
@@ -168,9 +172,8 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         if t.plots:
             plot_curves(run_dir)
         print(summary_text(summary), flush=True)
-        for k in ("scale_file", "export_dir", "verify"):
-            if k in summary:
-                print(f"{k}: {summary[k] if k != 'verify' else summary[k]['verdict']}", flush=True)
+        print(f"scale_file: {summary['scale_file']}", flush=True)
+    summary["student"] = student
     summary["engine"] = engine
     return summary
 
@@ -192,43 +195,24 @@ def training_logits(lm, ck: NT.NativeCheckpoint, prompt: List[int]):
     return cp(input_ids=ids, use_cache=False).logits[0].float(), "a float32 CPU copy of the trained module"
 
 
-def _finalize(cfg: RunConfig, lm, ck: NT.NativeCheckpoint, run_dir: Path, rank: int,
-              export_dir: Optional[str]) -> Dict[str, Any]:
-    """Rank 0: the scale file, and (export.enabled) the merged export through the gate + code-plane hook."""
-    from .engine import gate_summary, mark_failed
+def _finalize(cfg: RunConfig, lm, ck: NT.NativeCheckpoint, run_dir: Path, rank: int):
+    """Rank 0: the scale file, and (export.enabled) the merged model for the face to ship, with the
+    gate's two extra rows: the export's code plane must be the base's, its logits the training
+    forward's. Returns (summary entries, Student)."""
     out: Dict[str, Any] = {}
+    student = Student(model=lm)
     if rank != 0:
-        return out
+        return out, student
     f = run_dir / "scales.safetensors"
     meta = NT.save_scale_file(lm, ck, f, task=cfg.method.scale.task)
     nb = ck.nbytes()
     out.update(scale_file=str(f), scale_file_bytes=f.stat().st_size, checkpoint_bytes=nb["total"],
                code_plane_sha256=meta["base_code_plane_sha256"], scales_final=SA.scale_stats(lm))
-    if not cfg.export.enabled:
-        return out
-    from ..exporters import export, verify
-    from ..exporters.verify.code_plane import check_code_plane, check_training_logits
-    from ..exporters.verify.common import default_prompt
-    converted = NT.merged_converted(lm, ck)
-    edir = Path(export_dir or cfg.export.out_dir or (run_dir / f"export-{cfg.export.engine}"))
-    r = export(converted, str(edir), engine=cfg.export.engine, flavour=cfg.export.flavour, force=True)
-    out["export_dir"] = str(r.path)
-    if cfg.export.verify:
-        res = verify(r.path, converted)
-        # --- issue 18: the scale-adapter rows of the gate (exporters/verify/code_plane.py)
-        sha = check_code_plane(res, r.path, ck.path, converted)
-        prompt = default_prompt(int(converted.config["vocab_size"]))
-        logits, how = training_logits(lm, ck, prompt)
-        check_training_logits(res, converted, logits, prompt)
-        res.notes.append(f"training forward: {how}")
-        # --- end issue 18
-        out["verify"] = gate_summary(res)
-        out["verify_ok"] = out["verify"]["verdict"] == "PASS"
-        out["code_plane"] = sha
-        if not out["verify_ok"]:
-            out["export_dir"] = str(mark_failed(r.path, out["verify"]))
-            out["verify"]["moved_to"] = out["export_dir"]
-    return out
+    if cfg.export.enabled:
+        student.converted = NT.merged_converted(lm, ck)
+        student.native_base = str(ck.path)
+        student.training_logits = lambda prompt: training_logits(lm, ck, prompt)
+    return out, student
 
 
 def fraction(summary: Dict[str, Any]) -> float:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 17 in one device call: our training step (before / after the step levers) beside the peers
+# (plain PyTorch loops, NVIDIA Model Optimizer QAT W4A16 / W4A4 and QAD), interleaved rounds, with a
+# GPU-busy-vs-wall profile per variant. About 6 minutes:
+#
+#   run(command="bash benchmarks/gpu/step.sh", carry=[".whl"], timeout_s=600)
+#
+# 1. installs our stack from the carried wheels (stage.sh install-ours -> /tmp/site), unless already there
+# 2. builds DeepSpeed's FusedAdam in the background while the GPU checks of the weight cache run:
+#    pytest -m cuda tests/test_weight_cache_cuda.py (kept fq(W) == per-forward fq(W), bit for bit, on the
+#    kernels with batched fills)                            -> $OUT/step_pytest_cuda.log
+# 3. benchmarks/step.py with --before and the peers on the issue's Llama shape (hidden 2048, 16 layers,
+#    16/8 heads, MLP 5632, vocab 32000, batch 4 x 2048, bf16), rounds until TOTAL seconds from the start
+#    are spent                                              -> $OUT/step.md, step.json, step_bench.log,
+#                                                              step_worker_{ours,peer}.log
+# On a CPU, to check the script end to end before spending device time (measures nothing):
+#   DEVICE=cpu TINY=1 bash benchmarks/gpu/step.sh
+# Knobs: TOTAL (default 345 s: the whole call), STEPS (8), WARMUP (3), REPEAT (3), PROFILE_STEPS (2),
+# FORMAT (nvfp4), STEP_EXTRA (more step.py arguments, e.g. "--op-table 'QAT W4A16 (CE)'").
+# Not done here: the MoE shape (the trainer's random models are Llama only).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+DEVICE=${DEVICE:-cuda}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+VARIANTS="SFT|QAT W4A16 (CE)|QAT W4A4 (CE)|QAD W4A16 live teacher|cached teacher"
+PEERS="plain loop|ModelOpt W4A16 QAT|ModelOpt W4A4 QAT, fp32|ModelOpt QAD"
+if [ "$DEVICE" = cuda ]; then
+    if [ ! -d /tmp/site/deepspeed ]; then
+        bash benchmarks/gpu/stage.sh install-ours > "$OUT/step_install.log" 2>&1 \
+            || { echo "install-ours failed:"; tail -20 "$OUT/step_install.log"; exit 1; }
+    fi
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export PATH=/tmp/site/bin:$PATH
+    export TORCH_CUDA_ARCH_LIST=9.0          # DeepSpeed builds its ops for the H200 only
+    [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+    PY=python3
+    ARGS=(--model llama1b --device cuda --seq 2048 --batch 4 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}"
+          --repeat "${REPEAT:-3}" --job-timeout 200)
+    {
+        date -u
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+        python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
+                                             'cuda', torch.version.cuda)"
+    } > "$OUT/step_env.txt" 2>&1
+    # FusedAdam's JIT build (about a minute, once per machine) beside the GPU checks; waited for below
+    timeout 300 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder
+FusedAdamBuilder().load(); print('FusedAdam built')" > "$OUT/step_fusedadam.log" 2>&1 &
+    BUILD=$!
+    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_weight_cache_cuda.py \
+        > "$OUT/step_pytest_cuda.log" 2>&1
+    echo "weight cache on the kernels: $(tail -1 "$OUT/step_pytest_cuda.log")"
+    wait "$BUILD"; echo "FusedAdam: $(tail -1 "$OUT/step_fusedadam.log")"
+else
+    PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
+    [ -n "${TINY:-}" ] || { echo "DEVICE=cpu needs TINY=1 (the Llama shape does not fit a CPU run)"; exit 2; }
+    ARGS=(--model smoke --device cpu --seq 64 --batch 2 --steps "${STEPS:-4}" --warmup "${WARMUP:-1}"
+          --repeat "${REPEAT:-2}" --job-timeout 120)
+    echo "CPU smoke: checks the script, measures nothing" > "$OUT/step_env.txt"
+fi
+BUDGET=$(( ${TOTAL:-345} - ($(date +%s) - T0) - 15 ))
+echo "== benchmark: $BUDGET s left for the rounds"
+# shellcheck disable=SC2086
+$PY benchmarks/step.py "${ARGS[@]}" --format "${FORMAT:-nvfp4}" --before --variants "$VARIANTS" \
+    --skip "grad ckpt|LoRA" --peers "$PEERS" --profile-steps "${PROFILE_STEPS:-2}" --budget "$BUDGET" \
+    --out "$OUT" ${STEP_EXTRA:-} 2> "$OUT/step_bench.log"
+rc=$?
+[ -f "$OUT/step.md" ] || { echo "no step.md; the log's tail:"; tail -40 "$OUT/step_bench.log"; }
+echo "== step.sh: $(( $(date +%s) - T0 )) s, rc $rc; results in $OUT/step.md, step.json"
+exit $rc

@@ -1,0 +1,22 @@
+"""method=grpo: GRPO with LoRA on the frozen quantized base (QeRL); its loop is train/rl_loop.py
+(rollouts, rewards, group advantages, several policy updates per rollout)."""
+from ...distill.rl import RLConfig
+from .base import Method, Needs
+
+
+def _rl_loop(cfg, eval_only):
+    from ..rl_loop import run       # rl_loop imports the trainer, which imports this registry
+    return run(cfg, eval_only)
+
+
+class GRPO(Method):
+    name = "grpo"
+    summary = "GRPO on a task's rewards, LoRA on the quantized base, rollouts from the serving weights"
+    needs = Needs(rollouts=True)
+    options, options_key = RLConfig, "rl"
+    quant_start_refusal = "method={name} trains adapters on a frozen base"
+    own_loop = staticmethod(_rl_loop)
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        cfg.method.rl.validate()

@@ -1,0 +1,77 @@
+"""The import arrows of DESIGN.md, walked from the sources (every import, inside functions too):
+
+    formats <- kernels <- nn <- quantize <- train <- cli / demo        formats <- exporters <- cli / demo
+
+with distill (losses, RL) and native (native 4-bit checkpoints) at the quantize level, and the leaf
+utilities (exit codes, atomic directories, recipes, assets, CPU probing) importable by anyone. A new
+arrow fails here, naming the file and the line."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAF = {"exitcodes", "_fsutil", "_recipes", "_rdata", "assets", "cpu"}
+FACES = {"cli", "cli_export", "cli_scales", "cli_eval", "demo", "demo_report", "llama_tools", "llama_compare", "ship",
+         "eval", "harness",
+         "eval_tasks", "__main__"}
+CORE = {"formats": set(), "kernels": {"formats"}, "nn": {"formats", "kernels"},
+        "quantize": {"formats", "kernels", "nn"}, "distill": {"formats", "kernels", "nn", "quantize"},
+        "native": {"formats", "kernels", "nn", "quantize"}, "exporters": {"formats"},
+        "train": {"formats", "kernels", "nn", "quantize", "distill", "native"}}
+
+
+def allowed(src: str):
+    if src in LEAF:
+        return LEAF
+    if src in CORE:
+        return CORE[src] | LEAF
+    if src in FACES:
+        return set(CORE) | LEAF | FACES
+    raise AssertionError(f"qatfactory.{src}: a module this test does not place; add it to a layer")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "exporters":
+        parts = ["qatfactory", "exporters"] + parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _files():
+    for f in sorted((ROOT / "qatfactory").rglob("*.py")) + sorted((ROOT / "exporters").rglob("*.py")):
+        rel = f.relative_to(ROOT).parts
+        if "__pycache__" in rel or rel[:2] == ("qatfactory", "exporters"):
+            continue
+        yield f
+
+
+def arrows():
+    for f in _files():
+        mod = _module(f)
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and n.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - (n.level - 1)] + ([n.module] if n.module else []))
+                targets = [base] if n.module else [f"{base}.{a.name}" for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                targets = [n.module]
+            for t in targets:
+                a, b = mod.split("."), t.split(".")
+                src = "__main__" if f.name == "__main__.py" else a[1] if len(a) > 1 else None
+                if b[0] == "qatfactory" and src and len(b) > 1 and a[1] != b[1]:
+                    yield f.relative_to(ROOT), n.lineno, src, b[1]
+
+
+def test_no_import_arrow_outside_the_design():
+    bad = [f"{f}:{line}: {a} -> {b}" for f, line, a, b in arrows() if b not in allowed(a)]
+    assert not bad, "imports against the design's arrows:\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_the_arrows_it_should():
+    # a walker that finds nothing proves nothing
+    seen = {(a, b) for _, _, a, b in arrows()}
+    assert {("nn", "formats"), ("kernels", "formats"), ("quantize", "nn"), ("train", "quantize"),
+            ("exporters", "formats")} <= seen
+    assert allowed("formats") == LEAF and "train" not in allowed("exporters")
