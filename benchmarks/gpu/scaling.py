@@ -83,8 +83,14 @@ def moe_dir(shape: Dict[str, Any], layers: Optional[int], root: Path, cpu: bool)
     say(f"writing a random Qwen3-MoE ({shape['num_hidden_layers']} layers) to {d} on {dev}")
     cfg = Qwen3MoeConfig(**shape, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
-    with torch.device(dev):
-        m = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32     # bf16 from the start: 30B in fp32 is 122 GB
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(dev):
+            m = Qwen3MoeForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
     m.save_pretrained(tmp)
     del m
     tk = Tokenizer(models.BPE())

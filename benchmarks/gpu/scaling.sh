@@ -16,7 +16,10 @@
 # Here, on CPU (gloo), a tiny shape of both models, so the script cannot rot (tests/test_bench_scaling.py):
 #   LOCAL=1 bash benchmarks/gpu/scaling.sh smoke
 # Knobs: WORLDS, SEQ (4096), GLOBAL (16 sequences per step, strong), GAS (2 per GPU, weak), STEPS (6),
-# WARMUP (2), MOE_LAYERS (24; 48 is the real model), T_LAUNCH (seconds per launch, 540), PY.
+# WARMUP (2), MOE_LAYERS (24; 48 is the real model), T_LAUNCH (seconds per launch, 270), PY.
+# A launch of the 8B shape is expected to take 2-4 minutes (start-up, FusedAdam's JIT build on the first one,
+# 6 steps, two 1-sample evaluations): give a 10-minute device call two GPU counts at most (WORLDS="2 4", then
+# WORLDS=8); every finished launch is in scaling.jsonl even when a later one runs out of time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -34,7 +37,7 @@ if [ -z "${LOCAL:-}" ]; then
 fi
 job=${1:-}
 SEQ=${SEQ:-4096} GLOBAL=${GLOBAL:-16} GAS=${GAS:-2} STEPS=${STEPS:-6} WARMUP=${WARMUP:-2}
-T=${T_LAUNCH:-540}
+T=${T_LAUNCH:-270}
 common=(--seq "$SEQ" --global-batch "$GLOBAL" --gas "$GAS" --steps "$STEPS" --warmup "$WARMUP" --timeout "$T"
         --out "$OUT/scaling" --work "$WORK")
 sc() { $PY benchmarks/gpu/scaling.py run "$@"; }

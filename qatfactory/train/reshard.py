@@ -102,6 +102,14 @@ class _Shards:
         self.n += 1
 
 
+def _optim_file(ds: Path, r: int) -> Path:
+    """Rank r's optimizer partition: zero_pp_rank_R_..., or bf16_zero_pp_rank_R_... under bf16."""
+    found = sorted(ds.glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+    if len(found) != 1:
+        raise CorruptFileError(f"{ds}: {len(found)} optimizer state files of rank {r} (want one)")
+    return found[0]
+
+
 def _cat_fragments(name: str, numel: int, pieces: List[torch.Tensor], where: str) -> torch.Tensor:
     got = sum(p.numel() for p in pieces)
     if got != numel:
@@ -111,8 +119,8 @@ def _cat_fragments(name: str, numel: int, pieces: List[torch.Tensor], where: str
 
 def _zero12(ds: Path, world: int, out: _Shards, idx: Dict[str, Any]) -> None:
     model = C.safe_torch_load(ds / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)
-    osd = [C.safe_torch_load(ds / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", map_location="cpu",
-                             mmap=True)["optimizer_state_dict"] for r in range(world)]
+    osd = [C.safe_torch_load(_optim_file(ds, r), map_location="cpu", mmap=True)["optimizer_state_dict"]
+           for r in range(world)]
     where = str(ds)
     for r, o in enumerate(osd):
         if [int(x) for x in o.get("partition_count", [])] != [world] * len(model["param_shapes"]):
@@ -156,8 +164,8 @@ def _zero12(ds: Path, world: int, out: _Shards, idx: Dict[str, Any]) -> None:
 def _zero3(ds: Path, world: int, out: _Shards, idx: Dict[str, Any]) -> None:
     models = [C.safe_torch_load(ds / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", map_location="cpu", mmap=True)
               for r in range(world)]
-    osd = [C.safe_torch_load(ds / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", map_location="cpu",
-                             mmap=True)["optimizer_state_dict"] for r in range(world)]
+    osd = [C.safe_torch_load(_optim_file(ds, r), map_location="cpu", mmap=True)["optimizer_state_dict"]
+           for r in range(world)]
     where = str(ds)
     for r, o in enumerate(osd):
         if int(o.get("partition_count", -1)) != world:
@@ -288,11 +296,18 @@ class _Reader:
                 raise CorruptFileError(f"{self.gdir / name}: not a readable safetensors file ({e})") from None
         return self.open[name]
 
-    def full(self, key: str) -> torch.Tensor:
-        return self._f(key).get_tensor(key)
+    def _sized(self, key: str, n: int):
+        sl = self._f(key).get_slice(key)
+        if list(sl.get_shape()) != [n]:
+            raise CorruptFileError(f"{self.gdir / self.idx['files'][key]}: {key} holds {sl.get_shape()} values, "
+                                   f"{self.gdir / INDEX} says [{n}]")
+        return sl
 
-    def range(self, key: str, a: int, b: int) -> torch.Tensor:
-        return self._f(key).get_slice(key)[a:b]
+    def full(self, key: str, n: int) -> torch.Tensor:
+        return self._sized(key, n)[:]
+
+    def range(self, key: str, n: int, a: int, b: int) -> torch.Tensor:
+        return self._sized(key, n)[a:b]
 
 
 def _persistent_buffers(module) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -313,7 +328,7 @@ def _local(r: _Reader, key: str, n: int, rank: int, world: int) -> torch.Tensor:
     """This rank's ZeRO-3 piece of a flat tensor of n values: ceil(n / world) values, zero padded."""
     part = math.ceil(n / world)
     a, b = min(n, rank * part), min(n, (rank + 1) * part)
-    t = r.range(key, a, b)
+    t = r.range(key, n, a, b)
     if t.numel() < part:
         t = torch.cat([t, torch.zeros(part - t.numel(), dtype=t.dtype)])
     return t
@@ -378,19 +393,20 @@ def load(engine, gdir, rank: int, world: int) -> Dict[str, Any]:
                     safe_set_local_optimizer_state(p, _local(r, f"{k}/{n}", num, rank, world), k)
                 p.ds_tensor.data.copy_(v.to(p.ds_tensor.dtype).reshape(p.ds_tensor.shape))
             else:
-                v = r.full(f"fp32/{n}").reshape(shape)
+                num = _numel(shape)
+                v = r.full(f"fp32/{n}", num).reshape(shape)
                 safe_set_full_fp32_param(p, v)
                 for k in keys:
-                    safe_set_full_optimizer_state(p, r.full(f"{k}/{n}").reshape(shape), k)
+                    safe_set_full_optimizer_state(p, r.full(f"{k}/{n}", num).reshape(shape), k)
                 p.data.copy_(v.to(p.dtype))
         for n, p in frozen.items():
             if zero == 3:
                 v = _local(r, f"module/{n}", _numel(idx["frozen"][n]["shape"]), rank, world)
                 p.ds_tensor.data.copy_(v.to(p.ds_tensor.dtype).reshape(p.ds_tensor.shape))
             else:
-                p.data.copy_(r.full(f"module/{n}").reshape(p.shape))
+                p.data.copy_(r.full(f"module/{n}", p.numel()).reshape(p.shape))
         for n, b in buffers.items():
-            b.data.copy_(r.full(f"module/{n}").reshape(b.shape))
+            b.data.copy_(r.full(f"module/{n}", b.numel()).reshape(b.shape))
     saved = idx["param_groups"]
     if len(saved) != len(base.param_groups) and len({json.dumps(g, sort_keys=True) for g in saved}) != 1:
         raise BadInputError(f"reshard: {len(saved)} optimizer groups in {gdir}, {len(base.param_groups)} in the engine")
