@@ -118,6 +118,11 @@ def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
     from qatfactory.ship import train_and_ship as run     # the trainer, then export + gate (export=vllm)
     from qatfactory.train.config import compose
     rd = a.work / f"seq{seq}-{kv}"
+    done = rd / "kv_arm.json"
+    if done.exists():           # trained in an earlier device call on the same machine: reuse, never retrain
+        res = json.loads(done.read_text())
+        say(f"seq {seq} kv {kv}: reused from {done}")
+        return res
     export = kv == "fp8_e4m3" and not a.no_export
     over = overrides(a, prep, seq, kv, rd, export)
     t0 = time.time()
@@ -136,6 +141,9 @@ def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
             res[k] = s[k]
     say(f"seq {seq} kv {kv}: PTQ KL {res['ptq']['kl']:.5f} ppl {res['ptq']['ppl']:.3f} -> QAD KL "
         f"{res['qad']['kl']:.5f} ppl {res['qad']['ppl']:.3f} ({res['wall_s']:.0f} s)")
+    tmp = done.with_name(".kv_arm.json.tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    os.replace(tmp, done)
     return res
 
 
@@ -209,7 +217,8 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         (w / "vllm.log").write_text(p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-40000:])
         vr = json.loads((w / "vllm.json").read_text()) if (w / "vllm.json").exists() else {"loaded": False}
-        cell: Dict[str, Any] = {"loaded": vr.get("loaded"), "mode": vr.get("mode"), "vllm": vr.get("vllm")}
+        cell: Dict[str, Any] = {"loaded": vr.get("loaded"), "mode": vr.get("mode"), "vllm": vr.get("vllm"),
+                                 "kv_cache_dtype": vr.get("kv_cache_dtype"), "error": vr.get("error")}
         if vr.get("loaded"):
             import numpy as np
             z = np.load(w / "vllm.npz")
@@ -219,7 +228,10 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
             for label in ("student (KV emulated)", "student (bf16 KV)"):
                 with torch.no_grad():
                     lp = torch.log_softmax(m(input_ids=ids.cuda()).logits.float(), -1)[:, :-1].cpu()
-                kls[label] = engines.coarse_kl(lp, torch.from_numpy(z["ix"]), torch.from_numpy(z["lp"]))
+                kl, rest = engines.coarse_kl(lp, torch.from_numpy(z["ix"]), torch.from_numpy(z["lp"]))
+                kls[label] = {"kl": float(kl.mean()), "p_outside_topk": float(rest.mean()),
+                              "top1_agree": float((lp.argmax(-1).numpy() == z["ix"][..., 0]).mean())}
+                say(f"vllm_serve seq {seq}: KL({label} || vLLM fp8 cache) {kls[label]['kl']:.5f}")
                 KV.detach(m)
             cell["kl"] = kls
         out["cells"][str(seq)] = cell
@@ -245,7 +257,7 @@ def markdown(rep: Dict[str, Any]) -> str:
     L += ["", "Engine checks:", ""]
     for k, v in rep["engine_checks"].items():
         L.append(f"* {k}: {json.dumps(v)}")
-    L.append(f"* vllm_serve: {json.dumps(rep['vllm_serve'])}")
+    L.append(f"* vllm_serve: {json.dumps(rep['vllm_serve'], default=str)}")
     for r in rep["results"]:
         if "verify" in r:
             L.append(f"* export seq {r['seq']} {r['kv']}: parity gate {r['verify'].get('verdict')} "
@@ -289,7 +301,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             results.append(run_arm(a, preps[seq], seq, kv))
     rep = {"smoke": a.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "format": a.format,
            "steps": a.steps, "lr": a.lr, "model": "tiny random Llama" if a.smoke else "SmolLM2-135M-Instruct",
-           "results": results, "engine_checks": engine_checks(a), "vllm_serve": vllm_serve(a, results, preps)}
+           "results": results}
+    rep["engine_checks"] = engine_checks(a)
+    say(f"engine checks: {json.dumps(rep['engine_checks'], default=str)}")
+    rep["vllm_serve"] = vllm_serve(a, results, preps)
     (out / "kv_cache.json").write_text(json.dumps(rep, indent=1, default=str))
     (out / "kv_cache.md").write_text(markdown(rep))
     rep["plot"] = plot(rep, out / "kv_cache.png")

@@ -338,6 +338,10 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None
         write_json(Path(out_json), res)
         return
     res["loaded"], res["init_s"] = True, time.time() - t
+    try:    # what vLLM made of the checkpoint's KV-cache declaration ("auto" resolves from its config)
+        res["kv_cache_dtype"] = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+    except Exception as e:
+        res["kv_cache_dtype"] = f"(not read: {type(e).__name__})"
     try:
         res["kernels"] = sorted(set(sum(llm.apply_model(_describe_kernels), [])))
     except Exception as e:

@@ -9,6 +9,7 @@
 #   4...                                                        bash benchmarks/gpu/methods.sh run JOB...
 # JOBs that need no model (step) can ride on calls 1 and 2. PRESET=probe runs every job for a few steps
 # only (errors and per-step times, cheap); PRESET=run (default) the sizes below, chosen to fit one call.
+# A call brings back at most 8 files from $OUT, two folders down: tar what must come back into one file.
 # Each job runs under its own timeout (T_<JOB>, seconds), so one failure never costs the others; its
 # tables, plots and log are copied into $OUT/<job>/ (students and exports stay under $WORK).
 set -uo pipefail
@@ -98,5 +99,10 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
     run)
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;
-    *) echo "usage: $0 preflight|stash|run [JOB...]  (jobs: step scale_qlora qerl kv paretoq papers)" >&2; exit 2 ;;
+    par)    # the same jobs at once on the one GPU (small models are host-bound: they share it well);
+            # each keeps its own timeout; quality tables only: never time anything this way
+        stash; assets 2>&1 | tee -a "$OUT/methods.log"
+        for j in "$@"; do run_job "$j" > "$OUT/methods-$j.tail" 2>&1 & done
+        wait; cat "$OUT"/methods-*.tail ;;
+    *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl kv paretoq papers)" >&2; exit 2 ;;
 esac

@@ -171,6 +171,11 @@ def convert(model: nn.Module):
     src_dir = getattr(getattr(model, "config", None), "_name_or_path", None)
     quant = cfg.to_dict()
     quant["resolved"] = resolved
+    # plain data on the CPU whatever device trained the model: the exporters write from it and the
+    # gate compares it with tensors read back from disk (a CUDA student failed its own gate: device mismatch)
+    packed = {k: v.to("cpu") for k, v in packed.items()}
+    dense = {k: v.cpu() for k, v in dense.items()}
+    input_amax = {k: v.cpu() for k, v in input_amax.items()}
     return ConvertedModel(packed=packed, dense=dense, config=config, quant=quant, input_amax=input_amax,
                           act_formats=act_formats, fused_groups=groups, kv_cache=KV.kv_record(model),
                           coverage={k: v for k, v in rep.totals.items()},
