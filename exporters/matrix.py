@@ -133,16 +133,20 @@ PROVEN_BY = {
        "Q4_K_M per-tensor type choice (`q4_k_m`) is a TRANSCRIPTION of llama.cpp's llama-quant.cpp until a run of "
        "llama-quantize confirms it",
 }
-# The engine itself loading the flavour's exports (issue 16): the last GPU run of benchmarks/gpu/engines.sh,
-# whose numbers are in benchmarks/results/engines_vllm_h200.json (tests/test_readme.py keeps them equal)
+# The engine itself loading the flavour's exports (issue 16): the last GPU runs of benchmarks/gpu/engines.sh,
+# whose numbers are in benchmarks/results/engines_vllm_h200.json (compressed-tensors cells, 10:43 UTC) and
+# engines_vllm_h200_modelopt_moe.json (ModelOpt and MoE cells, 16:28 UTC); tests/test_readme.py keeps them equal
 ENGINE_RUN_ON = "vLLM 0.24.0, one H200, torch 2.11.0+cu130, 2026-12-01"
 ENGINE_RUNS: Dict[Tuple[str, str], str] = {
     (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper). NVFP4 W4A16: KL to the "
              "student 0.0017 (its PTQ baseline 0.12), top-1 0.973, greedy tokens equal 0.834, tok/s 0.73x / 0.66x "
              "bf16 (batch 1 / 64); MXFP4 W4A16: 0.0023 (PTQ 0.31), 0.973, 0.465, 0.78x / 0.68x; MXFP4 W4A4: served "
-             "weight-only (KL 0.0015 to the student's weight-only forward, 0.48 to its W4A4 forward), 0.79x / 0.68x",
-    (V, MO): "refused the tied SmolLM2 exports (vLLM cannot tie lm_head under a ModelOpt config); fixed since "
-             "(tied models ship lm_head as the embedding's bytes), not re-run yet",
+             "weight-only (KL 0.0015 to the student's weight-only forward, 0.48 to its W4A4 forward), 0.79x / 0.68x; "
+             "tiny random Qwen3-MoE NVFP4 W4A16: Marlin MoE experts, KL to the student 0.00002, top-1 0.947",
+    (V, MO): "yes (after the untied lm_head fix): SmolLM2-135M QAD students, Marlin FP4 (weight-only on Hopper). "
+             "NVFP4 W4A16: KL to the student 0.0017 (PTQ 0.12), top-1 0.977, greedy tokens equal 0.598; NVFP4 "
+             "W4A4: served weight-only (KL 0.0017 to the student's weight-only forward, 0.17 to its W4A4 forward); "
+             "tok/s not comparable in that run (other jobs shared the GPU)",
     (S, MO): "not run: SGLang 0.5.17 (the release pinning torch 2.11) needs ~600 MB of kernel wheels",
     (S, CT): "not run (as above)",
     (L, G): "yes, on every cell in `make test` (below)",

@@ -160,21 +160,18 @@ def test_the_k_order_table_agrees_with_the_gguf_exporter():
         assert ARCHS[mt][1] is permute, mt
 
 
-def test_convert_hands_over_kv_scales_on_the_cpu():
-    """The exporters and the gate read the KV scales beside tensors loaded on the CPU: convert must hand them
-    over there whatever device the student trained on (on the H200 the gate once crashed on cuda scales)."""
-    cm = convert(_student())
-    layers = cm.kv_cache["layers"]
-    assert layers and all(t.device.type == "cpu" for d in layers.values() for t in d.values())
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by pytest -m cuda on the GPU)")
-def test_a_student_on_the_gpu_exports_its_kv_cache_through_the_gate(tmp_path):
+@pytest.mark.parametrize("flavour", ["compressed-tensors", "modelopt"])
+def test_a_student_on_the_gpu_exports_its_kv_cache_through_the_gate(tmp_path, flavour):
+    """The H200 KV runs' fp8 exports failed their gate on a device mismatch (codes and scales handed over on
+    the GPU, compared with the file read on the CPU): convert hands the exporters CPU tensors."""
     m = tiny("qwen3").cuda()
     prepare(m, QuantConfig.preset("nvfp4_w4a16", kv_format="fp8_e4m3"))
     calibrate(m, [ids(seed=3).cuda(), ids().cuda()])
     cm = convert(m)
-    export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
+    assert all(t.device.type == "cpu" for p in cm.packed.values() for t in [p.codes, p.scales] if t is not None)
+    assert all(t.device.type == "cpu" for d in cm.kv_cache["layers"].values() for t in d.values())
+    export(cm, tmp_path / "e", engine="vllm", flavour=flavour)
     v = verify(tmp_path / "e", cm)
     assert v.verdict == "PASS", v.table()
