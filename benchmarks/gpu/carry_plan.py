@@ -9,6 +9,7 @@ re-checks every call against the cap with the tree as it is now.
     python benchmarks/gpu/carry_plan.py plan  [--tree BYTES]
     python benchmarks/gpu/carry_plan.py split BUNDLE --out .sglang [--tree BYTES] [--margin-kib 512]
     python benchmarks/gpu/carry_plan.py assemble --parts /tmp/qf-parts --dest /tmp/sgwheels   # GPU machine
+    python benchmarks/gpu/carry_plan.py ready --parts /tmp/qf-parts      # exit 0 iff every part is there
 """
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ def size(root: Path, rel: str) -> int:
 
 
 def tree_bytes(root: Path) -> int:
-    """Bytes of the tracked files (what travels besides the carried paths)."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
-    return sum((root / f).stat().st_size for f in out.decode().split("\0") if f and (root / f).is_file())
+    """Bytes of what travels besides the carried paths: tracked and untracked-not-ignored files."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, check=True).stdout
+    files = {f for f in out.decode().split("\0") if f}
+    return sum((root / f).lstat().st_size for f in files if (root / f).is_file() or (root / f).is_symlink())
 
 
 def rooms(root: Path, tree: int, margin: int = MARGIN, calls=BASE_CALLS) -> List[int]:
@@ -141,9 +144,12 @@ def assemble(parts_dir: Path, man: Dict[str, object], dest: Path) -> List[Path]:
     wheels = {w["file"]: w["sha256"] for w in man["wheels"]}
     paths = []
     with tarfile.open(bundle) as tf:
-        for m in tf.getmembers():
+        members = tf.getmembers()
+        for m in members:          # all checked before anything is written
             if not m.isfile() or m.name not in wheels or "/" in m.name or m.name.startswith("."):
+                bundle.unlink()
                 raise ValueError(f"unexpected member {m.name!r} in the SGLang bundle")
+        for m in members:
             target = dest / m.name
             with tf.extractfile(m) as src, open(target, "wb") as dst:
                 dst.write(src.read())
@@ -210,7 +216,7 @@ def sglang_complete_by(root: Path) -> Optional[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=["plan", "split", "assemble", "manifest"])
+    ap.add_argument("cmd", choices=["plan", "split", "assemble", "manifest", "ready"])
     ap.add_argument("bundle", nargs="?")
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[2]))
     ap.add_argument("--out", default=SGLANG_DIR)
@@ -223,6 +229,16 @@ def main(argv=None) -> int:
     ap.add_argument("--margin-kib", type=int, default=MARGIN // 1024, dest="margin_kib")
     a = ap.parse_args(argv)
     root = Path(a.root)
+    if a.cmd == "ready":        # exit 0 iff the manifest and every part (by size) are in --parts
+        mp = Path(a.parts) / MANIFEST
+        if not mp.exists():
+            print(f"no {mp}")
+            return 1
+        man = json.loads(mp.read_text())
+        missing = [p["name"] for p in man["parts"]
+                   if not (Path(a.parts) / p["name"]).is_file() or (Path(a.parts) / p["name"]).stat().st_size != p["size"]]
+        print("ready" if not missing else f"missing {missing}")
+        return 1 if missing else 0
     if a.cmd == "assemble":
         man = json.loads((Path(a.parts) / MANIFEST).read_text())
         for w in assemble(Path(a.parts), man, Path(a.dest)):

@@ -140,7 +140,8 @@ case $cmd in
             (set -f; zip -q -d "$whl" $pats)
         done
         (cd "$tmp/w" && tar --sort=name --mtime=@0 --owner=0 --group=0 -cf "$tmp/sglang.tar" -- *.whl)
-        python3 benchmarks/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang > "$tmp/parts.json"
+        python3 benchmarks/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang \
+            --margin-kib "${SGLANG_MARGIN_KIB:-512}" > "$tmp/parts.json"
         python3 benchmarks/gpu/carry_plan.py manifest --bundle "$tmp/sglang.tar" --wheels "$tmp/w" \
             --parts-json "$tmp/parts.json" --version "$SGLANG_VERSION" --shared "${SGLANG_FROM_VLLM[*]}" \
             --slim "${SGLANG_SLIM[@]}"
@@ -198,7 +199,7 @@ raise SystemExit(1 if bad else 0)" ;;
     install-sglang)
         # /tmp/sgsite: SGLang's bundle (parts and wheels sha256-checked) + the pins it shares with vLLM
         [ -f "$PARTS/sglang.manifest.json" ] || { echo "no $PARTS/sglang.manifest.json: carry .sglang/ and stash it" >&2; exit 2; }
-        rm -rf /tmp/sgwheels
+        rm -rf /tmp/sgwheels /tmp/sgsite/.qf-installed
         python3 benchmarks/gpu/carry_plan.py assemble --parts "$PARTS" --dest /tmp/sgwheels >/dev/null || exit 2
         shared=()
         for n in "${SGLANG_FROM_VLLM[@]}"; do
@@ -218,6 +219,7 @@ import sglang.srt.layers.attention.triton_backend, sglang.srt.layers.quantizatio
 import sglang.srt.layers.sampler, sglang.srt.model_loader.loader, sglang.srt.managers.detokenizer_manager
 print('SGLang import OK: sglang-kernel', sgl_kernel.__version__, '| flashinfer', flashinfer.__version__,
       '| transformers', transformers.__version__, '|', sgl_kernel.common_ops.__file__)" || exit 2
+        touch /tmp/sgsite/.qf-installed    # engines.sh sglang waits for this marker
         echo "SGLang $SGLANG_VERSION in /tmp/sgsite ($(du -sh /tmp/sgsite | cut -f1))" ;;
     *) echo "usage: $0 pack|pack-sglang|plan|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
 esac
