@@ -143,8 +143,11 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
              "weight-only (KL 0.0015 to the student's weight-only forward, 0.48 to its W4A4 forward), 0.79x / 0.68x",
     (V, MO): "refused the tied SmolLM2 exports (vLLM cannot tie lm_head under a ModelOpt config); fixed since "
              "(tied models ship lm_head as the embedding's bytes), not re-run yet",
-    (S, MO): "not run: SGLang 0.5.17 (the release pinning torch 2.11) needs ~600 MB of kernel wheels",
-    (S, CT): "not run (as above)",
+    (S, MO): "not run yet: SGLang 0.5.17 (the release pinning torch 2.11) is staged for the H200 in 41.5 MiB "
+             "(benchmarks/gpu/stage.sh pack-sglang: FlashAttention 3 and FlashInfer's JIT sources left out, Triton "
+             "attention) and benchmarks/gpu/engines.sh sglang runs the W4A4 export through it (written, not yet run "
+             "on the GPU); its ModelOptFp4Config accepts quant_algo NVFP4, not W4A16_NVFP4 (read from its source)",
+    (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }
 ENGINE_NAMES = {V: "vLLM", S: "SGLang", L: "llama.cpp"}
