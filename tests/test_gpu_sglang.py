@@ -285,6 +285,20 @@ def test_phase_sglang_kills_a_hung_models_whole_process_group(tmp_path):
     assert "timed out after 8 s" in (work / "nvfp4-w4a4-modelopt" / "sglang.log").read_text()
 
 
+def test_quantized_models_wait_for_a_running_jit_warm_up_and_bf16_does_not(tmp_path):
+    work, script = _work(tmp_path, {"nvfp4-w4a4-modelopt": "e1"})
+    (work / "sglang-warm.pid").write_text(str(os.getpid()))             # a warm-up that is still building
+    (work / "sglang-warm.json").write_text(json.dumps({"done": False}))
+    a = _a(work, ["nvfp4-w4a4-modelopt"])
+    a.warm_wait = 2
+    ES.phase_sglang(a, script)
+    assert json.loads((work / "bf16" / "sglang.json").read_text())["loaded"]
+    assert not (work / "nvfp4-w4a4-modelopt" / "sglang.json").exists()   # left for the next call, no record
+    (work / "sglang-warm.json").write_text(json.dumps({"done": True, "modules": {"gptq_marlin_bf16": 1.0}}))
+    ES.phase_sglang(a, script)
+    assert json.loads((work / "nvfp4-w4a4-modelopt" / "sglang.json").read_text())["loaded"]
+
+
 def test_wait_warm_returns_the_record_or_gives_up(tmp_path):
     assert ES.wait_warm(tmp_path, 5) is None                              # no warm-up ever started
     (tmp_path / "sglang-warm.pid").write_text(str(os.getpid()))            # alive...
@@ -301,7 +315,7 @@ def test_wait_warm_returns_the_record_or_gives_up(tmp_path):
 # ------------------------------------------------------------------ report
 def test_parse_checks_the_sglang_cells():
     a = engines.parse(["sglang"])
-    assert a.sglang_cells == list(engines.DEFAULT_SGLANG_CELLS) and a.sglang_timeout == 200
+    assert a.sglang_cells == list(engines.DEFAULT_SGLANG_CELLS) and a.sglang_timeout == 240
     assert engines.parse(["sglang", "--sglang-cells", "nvfp4-w4a4-modelopt,mxfp4-w4a4-ct"]).sglang_cells == \
         ["nvfp4-w4a4-modelopt", "mxfp4-w4a4-ct"]
     with pytest.raises(SystemExit):

@@ -241,8 +241,12 @@ def main(argv=None) -> int:
         return 1 if missing else 0
     if a.cmd == "assemble":
         man = json.loads((Path(a.parts) / MANIFEST).read_text())
-        for w in assemble(Path(a.parts), man, Path(a.dest)):
-            print(w)
+        try:
+            for w in assemble(Path(a.parts), man, Path(a.dest)):
+                print(w)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"assemble: {e}", file=sys.stderr)
+            return 2
         return 0
     if a.cmd == "manifest":
         man = write_manifest(root / SGLANG_DIR / MANIFEST, Path(a.bundle), Path(a.wheels),

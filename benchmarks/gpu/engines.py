@@ -700,7 +700,7 @@ def parse(argv):
     p.add_argument("--per-model-timeout", type=int, default=110, dest="per_model_timeout")
     p.add_argument("--sglang-cells", default=",".join(DEFAULT_SGLANG_CELLS), dest="sglang_cells",
                    help="the exports SGLang loads (after bf16), in order")
-    p.add_argument("--sglang-timeout", type=int, default=200, dest="sglang_timeout",
+    p.add_argument("--sglang-timeout", type=int, default=240, dest="sglang_timeout",
                    help="seconds per SGLang model (its first load JIT-compiles kernels)")
     p.add_argument("--warm-wait", type=int, default=240, dest="warm_wait",
                    help="seconds to wait for the background JIT warm-up engines.sh started")

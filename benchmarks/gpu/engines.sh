@@ -92,7 +92,7 @@ case $cmd in
             warm_alive && { echo "the background SGLang install is still running after 300 s: see $WORK/sglang-warm.log" >&2; exit 2; }
             bash benchmarks/gpu/stage.sh install-sglang || exit 2
         fi
-        PYTHONPATH=/tmp/sgsite timeout -k 10 "${T_SGLANG:-420}" python3 benchmarks/gpu/engines.py sglang --work "$WORK" "$@" \
+        PYTHONPATH=/tmp/sgsite timeout -k 10 "${T_SGLANG:-450}" python3 benchmarks/gpu/engines.py sglang --work "$WORK" "$@" \
             2>&1 | tee "$OUT/engines_sglang.log"
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"

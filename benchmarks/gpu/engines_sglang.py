@@ -195,6 +195,18 @@ def wait_warm(work: Path, timeout: float) -> Optional[Dict[str, Any]]:
     return json.loads(rec.read_text()) if rec.exists() else None
 
 
+def warm_running(work: Path) -> bool:
+    """The background warm-up started and neither finished nor died."""
+    rec, pid_f = work / "sglang-warm.json", work / "sglang-warm.pid"
+    if not pid_f.exists() or (rec.exists() and json.loads(rec.read_text()).get("done")):
+        return False
+    try:
+        os.kill(int(pid_f.read_text().strip()), 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+
+
 def phase_sglang(a, engines_py: str) -> None:
     work = Path(a.work)
     st = json.loads((work / "students.json").read_text())
@@ -203,15 +215,23 @@ def phase_sglang(a, engines_py: str) -> None:
     if missing:
         say(f"no export for {missing} in students.json (run the students phase with them)")
     jobs = [("bf16", st["prep"]["model_dir"])] + [(n, st["cells"][n]["export_dir"]) for n in cells]
-    warm = wait_warm(work, a.warm_wait)
-    if warm:
-        say(f"JIT warm-up: {warm.get('modules')}")
+    waited = False
     for name, d in jobs:
         out = work / name / "sglang.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists() and json.loads(out.read_text()).get("throughput"):
             say(f"SGLang {name}: done in an earlier call")
             continue
+        if name != "bf16" and not waited:
+            # bf16 needs no Marlin: only a quantized model waits for the background build, so that
+            # two builds of one module never share its build folder
+            warm, waited = wait_warm(work, a.warm_wait), True
+            if warm:
+                say(f"JIT warm-up: {warm.get('modules')} done={warm.get('done')}")
+            if warm_running(work):
+                say(f"the JIT warm-up is still building after {a.warm_wait} s ({work / 'sglang-warm.log'}): "
+                    f"the quantized models wait for the next call")
+                return
         t = time.time()
         say(f"SGLang {name}: {d}")
         cmd = [sys.executable, engines_py, "sglang-one", "--model", d, "--tokens", str(work / "tokens.json"),

@@ -203,7 +203,7 @@ raise SystemExit(1 if bad else 0)" ;;
         python3 benchmarks/gpu/carry_plan.py assemble --parts "$PARTS" --dest /tmp/sgwheels >/dev/null || exit 2
         shared=()
         for n in "${SGLANG_FROM_VLLM[@]}"; do
-            f=$(ls "$PARTS/.vllm/deps/" 2>/dev/null | grep -i "^${n//-/_}-[0-9]" | head -1)
+            f=$(ls "$PARTS/.vllm/deps/" 2>/dev/null | grep -i "^${n//-/_}-[0-9]" | head -1 || true)
             [ -n "$f" ] || { echo "install-sglang: $n not in $PARTS/.vllm/deps (carry .vllm/deps first)" >&2; exit 2; }
             shared+=("$PARTS/.vllm/deps/$f")
         done
