@@ -26,7 +26,7 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     cells = "nvfp4-w4a16-modelopt,mxfp4-w4a4-ct,moe-nvfp4-w4a16-ct"
     rep = engines.main(["smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--cells", cells,
                         "--steps", "2", "--seq", "64", "--micro", "2", "--eval-seqs", "2", "--prompts", "2",
-                        "--prompt-len", "8", "--calib", "2", "--topk", "16"])
+                        "--prompt-len", "8", "--calib", "2", "--topk", "16", "--sglang-cells", "mxfp4-w4a4-ct"])
     assert rep == 0
     d = json.loads((tmp_path / "out" / "engines.json").read_text())
     assert sorted(d["cells"]) == sorted(cells.split(","))
@@ -44,5 +44,13 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     md = (tmp_path / "out" / "engines.md").read_text()
     for name in cells.split(","):
         assert f"| {name} |" in md
+    # SGLang's stand-in ran one cell: scored the same way, under the row's "sglang", with its own bf16
+    sg = d["cells"]["mxfp4-w4a4-ct"]["sglang"]
+    assert abs(sg["student"]["kl_vs_sglang"]) < 1e-6 and sg["student"]["greedy_vs_sglang"]["identical"] == 1.0
+    assert sg["student weights only"]["kl_vs_sglang"] == w["kl_vs_vllm"]          # the same partition, the same KL
+    assert sg["throughput_vs_bf16"] == {"1": 0.5} and d["cells"]["mxfp4-w4a4-ct"]["throughput_vs_bf16"] == {"1": 1.0}
+    assert "sglang" not in d["cells"]["nvfp4-w4a16-modelopt"] and "sglang_bf16" in d
+    sg_md = md.split("SGLang stand-in")[1]
+    assert "| mxfp4-w4a4-ct |" in sg_md and "| nvfp4-w4a16-modelopt |" not in sg_md
     exp = Path(d["cells"]["nvfp4-w4a16-modelopt"]["cell"]["export_dir"])
     assert (exp / "hf_quant_config.json").is_file() and (exp / "model.safetensors").is_file()

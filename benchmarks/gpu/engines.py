@@ -1,7 +1,7 @@
-"""vLLM itself loads and serves our safetensors exports (engines.sh runs this; issue 16).
+"""vLLM and SGLang themselves load and serve our safetensors exports (engines.sh runs this; issue 16).
 
-Three phases, each in its own process and Python path, because vLLM pins other versions of shared
-packages (compressed-tensors 0.17.0 against our 0.20.1):
+Phases, each in its own process and Python path, because the engines pin other versions of shared
+packages (compressed-tensors 0.17.0 against our 0.20.1, SGLang's transformers 5.12.1 against 5.17):
 
 ``students`` (our stack)  SmolLM2-135M-Instruct from its packaged GGUF (benchmarks/gpu/stage.sh carries it)
                           -> per format a PTQ student (prepare + calibrate) and a QAD student (the trainer,
@@ -12,6 +12,10 @@ packages (compressed-tensors 0.17.0 against our 0.20.1):
                           offline; prompt log-probabilities (top-K) on the held-out tokens, greedy
                           continuations, decode throughput at batch 1 and 64, and which kernel vLLM
                           picked for each quantized linear.
+``sglang`` (SGLang's stack, /tmp/sgsite; engines_sglang.py) bf16 and --sglang-cells (default: the ModelOpt
+                          NVFP4 export) through ``sglang.Engine``, one model per process: the same record
+                          as vLLM's (W/<cell>/sglang.json + .npz); ``sglang-warm`` builds its FP4-Marlin
+                          JIT kernels ahead.
 ``report`` (our stack)    each student's own fake-quant forward on the same tokens (bf16, on the GPU):
                           KL(student || vLLM) against KL(student || the same format's PTQ student) on
                           the same top-K partition (vLLM's top-K plus one bucket for the rest of the
@@ -21,11 +25,12 @@ packages (compressed-tensors 0.17.0 against our 0.20.1):
 
     python benchmarks/gpu/engines.py students --work W [--steps 60]   # PYTHONPATH=/tmp/site:repo
     python benchmarks/gpu/engines.py vllm --work W                     # PYTHONPATH=/tmp/vsite
+    python benchmarks/gpu/engines.py sglang --work W                   # PYTHONPATH=/tmp/sgsite
     python benchmarks/gpu/engines.py report --work W --out OUT         # PYTHONPATH=/tmp/site:repo
     python benchmarks/gpu/engines.py smoke --work W                    # CPU: tiny model, students + report
-                                                                       # on a stand-in for vLLM's output
+                                                                       # on stand-ins for the engines' output
 
-Outputs: ``OUT/engines.json`` (every number), ``OUT/engines.md`` (the table), ``W/<cell>/vllm.json``.
+Outputs: ``OUT/engines.json`` (every number), ``OUT/engines.md`` (the tables), ``W/<cell>/{vllm,sglang}.json``.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ HERE = Path(__file__).resolve().parent
 TOPK = 128          # prompt log-probabilities per position (vLLM's max_logprobs is raised to this)
 GEN_TOKENS = 64
 THROUGHPUT_TOKENS = 256
+# what SGLang loads after bf16: the ModelOpt NVFP4 export (quant_algo NVFP4, FP4 Marlin on Hopper);
+# engines_sglang.py says why the other cells are expected to be refused by SGLang 0.5.17
+DEFAULT_SGLANG_CELLS = ("nvfp4-w4a4-modelopt",)
 
 
 @dataclass(frozen=True)
@@ -473,7 +481,54 @@ def agreement(a: List[List[int]], b: List[List[int]]) -> Dict[str, float]:
     return {"token_match": same / max(n, 1), "mean_prefix": prefix / m, "identical": full / m}
 
 
-def phase_report(a, vllm_results: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+ENGINES = ("vllm", "sglang")
+RECORD_KEYS = ("loaded", "mode", "kernels", "init_errors", "throughput", "gpu", "error", "loaded_but_failed")
+
+
+def _engine_record(work: Path, name: str, eng: str, fake: Optional[Dict[str, Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The engine's record of one model (W/<name>/<eng>.json), or the smoke run's stand-in; None if none."""
+    if fake is not None:
+        return (fake.get(eng) or {}).get(name)
+    p = work / name / f"{eng}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _scored(rec: Optional[Dict[str, Any]]) -> bool:
+    """A record with something to score: loaded, and its log-probabilities and generations written."""
+    return bool(rec and rec.get("loaded") and rec.get("greedy") is not None and not rec.get("loaded_but_failed"))
+
+
+def _score(p, pq, q_ix, q_lp, eng: str) -> Dict[str, Any]:
+    """The student's log-probabilities `p` against an engine's top-K (`q_ix`, `q_lp`), and the same
+    format's PTQ student `pq` (None: no baseline) on that engine's partition and in full."""
+    import torch
+    kl, p_rest = coarse_kl(p, q_ix, q_lp)
+    diff = (p.gather(-1, torch.as_tensor(q_ix[..., :8]).long()) - torch.as_tensor(q_lp[..., :8])).abs()
+    rr = {f"kl_vs_{eng}": float(kl.mean()), "p_outside_topk": float(p_rest.mean()),
+          "max_abs_logprob_diff_top8": float(diff.max()), "mean_abs_logprob_diff_top8": float(diff.mean()),
+          "top1_agree": float((p.argmax(-1).numpy() == q_ix[..., 0]).mean())}
+    if pq is not None:
+        kl_ptq, _ = coarse_kl(p, q_ix, pq.gather(-1, torch.as_tensor(q_ix).long()).numpy())
+        rr["kl_vs_ptq"] = float(kl_ptq.mean())
+        rr["kl_vs_ptq_full_vocab"] = float((p.exp() * (p - pq)).sum(-1).mean())
+    return rr
+
+
+def _verdict_fields(r: Dict[str, Any], rec: Dict[str, Any], bf: Dict[str, Any], eng: str) -> None:
+    tp, tpb = rec.get("throughput") or {}, (bf or {}).get("throughput") or {}
+    r["throughput_vs_bf16"] = {b: tp[b]["tokens_per_s"] / tpb[b]["tokens_per_s"] for b in tp if b in tpb}
+    s = r["student"]
+    # W4A4 on a GPU whose kernel is weight-only (Marlin on Hopper): the engine runs the trained weights with
+    # bf16 activations, so the verdict compares it with the student's weight-only forward
+    weight_only_kernel = any("marlin" in k.lower() for k in (rec.get("kernels") or []))
+    basis = r.get("student weights only") if (weight_only_kernel and "student weights only" in r) else s
+    r["verdict_basis"] = "student weights only" if basis is not s else "student"
+    r["engine_runs_trained_numbers"] = ("kl_vs_ptq" in basis and basis[f"kl_vs_{eng}"] < basis["kl_vs_ptq"])
+
+
+def phase_report(a, fake: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None) -> Dict[str, Any]:
+    """Every engine record scored against the students. vLLM's results keep their place in each row
+    (row["vllm"], row["student"], ...); SGLang's go under row["sglang"] in the same shape."""
     import numpy as np
     import torch
     work = Path(a.work)
@@ -482,59 +537,56 @@ def phase_report(a, vllm_results: Optional[Dict[str, Dict[str, Any]]] = None) ->
     st = json.loads((work / "students.json").read_text())
     toks = json.loads((work / "tokens.json").read_text())
     dev = "cpu" if a.smoke else "cuda"
-    bf = (vllm_results or {}).get("bf16") or json.loads((work / "bf16" / "vllm.json").read_text())
+    bfs = {eng: _engine_record(work, "bf16", eng, fake) or {} for eng in ENGINES}
     rows: Dict[str, Any] = {}
     for name, c in st["cells"].items():
-        vp = work / name / "vllm.json"
-        v = (vllm_results or {}).get(name) or (json.loads(vp.read_text()) if vp.exists() else {"loaded": False})
-        r: Dict[str, Any] = {"cell": c, "vllm": {k: v.get(k) for k in ("loaded", "mode", "kernels", "init_errors",
-                                                                         "throughput", "vllm", "gpu", "error")}}
+        recs = {eng: _engine_record(work, name, eng, fake) for eng in ENGINES}
+        v = recs["vllm"] or {"loaded": False}
+        r: Dict[str, Any] = {"cell": c, "vllm": {k: v.get(k) for k in RECORD_KEYS + ("vllm",)}}
+        if recs["sglang"] is not None:
+            r["sglang"] = {"record": {k: recs["sglang"].get(k) for k in RECORD_KEYS + ("sglang", "server", "log_evidence")}}
         rows[name] = r
-        if not v.get("loaded"):
+        todo = [eng for eng in ENGINES if _scored(recs[eng])]
+        if not todo:
             continue
-        z = np.load(vp.with_suffix(".npz")) if vllm_results is None else v["arrays"]
-        q_ix, q_lp = z["ix"], z["lp"]
+        arrays = {}
+        for eng in todo:
+            z = recs[eng]["arrays"] if fake is not None else np.load(work / name / f"{eng}.npz")
+            arrays[eng] = (z["ix"], z["lp"])
         variants = [("student", False)]
         if "w4a4" in c["fmt"]:
             variants.append(("student weights only", True))
         for label, wo in variants:
             m = _student_model(c["student_dir"], dev, wo)
             p = _logprobs(m, toks["heldout"], dev)
-            kl, p_rest = coarse_kl(p, q_ix, q_lp)
-            diff = (p.gather(-1, torch.as_tensor(q_ix[..., :8]).long()) - torch.as_tensor(q_lp[..., :8])).abs()
-            rr = {"kl_vs_vllm": float(kl.mean()), "p_outside_topk": float(p_rest.mean()),
-                  "max_abs_logprob_diff_top8": float(diff.max()), "mean_abs_logprob_diff_top8": float(diff.mean()),
-                  "top1_agree": float((p.argmax(-1).numpy() == q_ix[..., 0]).mean())}
-            if label == "student":
-                rr["greedy_vs_vllm"] = agreement(_greedy(m, toks["prompts"], dev, GEN_TOKENS), v["greedy"])
-            if c.get("ptq_dir"):
-                # the same format's PTQ student (same forward variant), scored on vLLM's partition and in full
+            greedy = _greedy(m, toks["prompts"], dev, GEN_TOKENS) if label == "student" else None
+            pq = None
+            if c.get("ptq_dir"):        # the same format's PTQ student, same forward variant
                 mp = _student_model(c["ptq_dir"], dev, wo)
                 pq = _logprobs(mp, toks["heldout"], dev)
-                kl_ptq, _ = coarse_kl(p, q_ix, pq.gather(-1, torch.as_tensor(q_ix).long()).numpy())
-                rr["kl_vs_ptq"] = float(kl_ptq.mean())
-                rr["kl_vs_ptq_full_vocab"] = float((p.exp() * (p - pq)).sum(-1).mean())
-                del mp, pq
-            r[label] = rr
-            del m, p
+                del mp
+            for eng in todo:
+                rr = _score(p, pq, *arrays[eng], eng)
+                if greedy is not None:
+                    rr[f"greedy_vs_{eng}"] = agreement(greedy, recs[eng]["greedy"])
+                (r if eng == "vllm" else r["sglang"])[label] = rr
+            del m, p, pq
             gc.collect()
             if dev == "cuda":
                 torch.cuda.empty_cache()
-        tp, tpb = v.get("throughput") or {}, bf.get("throughput") or {}
-        r["throughput_vs_bf16"] = {b: tp[b]["tokens_per_s"] / tpb[b]["tokens_per_s"] for b in tp if b in tpb}
-        s = r["student"]
-        # W4A4 on a GPU whose kernel is weight-only (Marlin on Hopper): vLLM runs the trained weights with
-        # bf16 activations, so the verdict compares it with the student's weight-only forward
-        weight_only_kernel = any("Marlin" in k for k in (v.get("kernels") or []))
-        basis = r.get("student weights only") if (weight_only_kernel and "student weights only" in r) else s
-        r["verdict_basis"] = "student weights only" if basis is not s else "student"
-        r["engine_runs_trained_numbers"] = ("kl_vs_ptq" in basis and basis["kl_vs_vllm"] < basis["kl_vs_ptq"])
-        say(f"{name}: KL(student||vLLM) {s['kl_vs_vllm']:.5f} vs PTQ {s.get('kl_vs_ptq', float('nan')):.5f}, "
-            f"greedy {s['greedy_vs_vllm']}, tok/s x{r['throughput_vs_bf16']}")
-    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "bf16": {k: bf.get(k) for k in
-           ("throughput", "mode", "vllm", "torch", "gpu")}, "cells": rows, "train": st.get("formats"),
+        for eng in todo:
+            rt = r if eng == "vllm" else r["sglang"]
+            _verdict_fields(rt, recs[eng], bfs[eng], eng)
+            s = rt["student"]
+            say(f"{name}: KL(student||{eng}) {s[f'kl_vs_{eng}']:.5f} vs PTQ {s.get('kl_vs_ptq', float('nan')):.5f}, "
+                f"greedy {s[f'greedy_vs_{eng}']}, tok/s x{rt['throughput_vs_bf16']}")
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "bf16": {k: bfs["vllm"].get(k) for k in ("throughput", "mode", "vllm", "torch", "gpu")},
+           "cells": rows, "train": st.get("formats"),
            "topk": TOPK, "tokens": {"sequences": len(toks["heldout"]), "seq_len": toks["seq_len"],
                                     "prompts": len(toks["prompts"]), "gen_tokens": GEN_TOKENS}}
+    if bfs["sglang"]:
+        rep["sglang_bf16"] = {k: bfs["sglang"].get(k) for k in ("throughput", "mode", "sglang", "torch", "gpu", "loaded")}
     write_json(out / "engines.json", rep)
     (out / "engines.md").write_text(markdown(rep))
     return rep
@@ -544,13 +596,50 @@ def _f(x, fmt=".4f"):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def verdict(r: Dict[str, Any]) -> str:
-    if not r["vllm"].get("loaded"):
+def verdict(r: Dict[str, Any], rec: Optional[Dict[str, Any]] = None) -> str:
+    """r: the engine's part of a row (the row itself for vLLM, row["sglang"] for SGLang); rec its record."""
+    rec = r["vllm"] if rec is None else rec
+    if not rec.get("loaded"):
         return "not loaded"
+    if rec.get("loaded_but_failed"):
+        return "loaded, then failed"
     if "engine_runs_trained_numbers" not in r or "kl_vs_ptq" not in (r.get(r.get("verdict_basis", "student")) or {}):
         return "no PTQ baseline (random MoE student)"
     yes = r["engine_runs_trained_numbers"]
     return ("yes" if yes else "NO") + (" (vs the weight-only forward)" if r.get("verdict_basis") != "student" else "")
+
+
+def _table(rows: Dict[str, Any], eng: str, label: str) -> List[str]:
+    """One engine's table: eng keys the metrics (kl_vs_<eng>), label names it in the header."""
+    L = [f"| cell | loaded | {label} kernel | KL(student‖{label}) | KL(student‖PTQ) | max |Δlogp| top-8 | top-1 | "
+         "greedy tokens equal | tok/s vs bf16 (b1 / b64) | runs the trained numbers |",
+         "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for name, row in rows.items():
+        r, rec = (row, row["vllm"]) if eng == "vllm" else (row[eng], row[eng]["record"])
+        s = r.get("student", {})
+        g = s.get(f"greedy_vs_{eng}", {})
+        tpr = r.get("throughput_vs_bf16", {})
+        k = "; ".join(rec.get("kernels") or []) or "-"
+        L.append(f"| {name} | {'yes' if rec.get('loaded') else 'NO'} ({rec.get('mode') or '-'}) | {k} | "
+                 f"{_f(s.get(f'kl_vs_{eng}'), '.5f')} | {_f(s.get('kl_vs_ptq'), '.5f')} | "
+                 f"{_f(s.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(s.get('top1_agree'), '.3f')} | "
+                 f"{_f(g.get('token_match'), '.3f')} | {_f(tpr.get('1'), '.2f')} / {_f(tpr.get('64'), '.2f')} | "
+                 f"{verdict(r, rec)} |")
+        w = r.get("student weights only")
+        if w:
+            L.append(f"| {name} vs its weight-only forward | | | {_f(w.get(f'kl_vs_{eng}'), '.5f')} | "
+                     f"{_f(w.get('kl_vs_ptq'), '.5f')} | "
+                     f"{_f(w.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(w.get('top1_agree'), '.3f')} | | |")
+        if not rec.get("loaded") or rec.get("loaded_but_failed"):
+            why = rec.get("loaded_but_failed") or "; ".join(rec.get("init_errors") or [str(rec.get("error"))])
+            L.append(f"| {name}: {'failed' if rec.get('loaded') else 'refused'} | | {why[:300]} | | | | | | |")
+    return L
+
+
+def _bf16_line(b: Dict[str, Any]) -> str:
+    tp = b.get("throughput") or {}
+    return (f"bf16 decode: {_f(tp.get('1', {}).get('tokens_per_s'), '.0f')} tok/s at batch 1, "
+            f"{_f(tp.get('64', {}).get('tokens_per_s'), '.0f')} at batch 64 ({b.get('mode')}).")
 
 
 def markdown(rep: Dict[str, Any]) -> str:
@@ -558,54 +647,44 @@ def markdown(rep: Dict[str, Any]) -> str:
     L = [f"vLLM {b.get('vllm')} on {b.get('gpu')} (torch {b.get('torch')}), {rep['date']}; "
          f"{rep['tokens']['sequences']} held-out sequences x {rep['tokens']['seq_len']} tokens, top-{rep['topk']} "
          f"prompt log-probs; {rep['tokens']['prompts']} greedy prompts x {rep['tokens']['gen_tokens']} tokens. "
-         f"bf16 decode: {_f((b.get('throughput') or {}).get('1', {}).get('tokens_per_s'), '.0f')} tok/s at batch 1, "
-         f"{_f((b.get('throughput') or {}).get('64', {}).get('tokens_per_s'), '.0f')} at batch 64 ({b.get('mode')}).", "",
-         "| cell | loaded | vLLM kernel | KL(student‖vLLM) | KL(student‖PTQ) | max |Δlogp| top-8 | top-1 | greedy tokens equal "
-         "| tok/s vs bf16 (b1 / b64) | runs the trained numbers |", "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
-    for name, r in rep["cells"].items():
-        v = r["vllm"]
-        s = r.get("student", {})
-        g = s.get("greedy_vs_vllm", {})
-        tpr = r.get("throughput_vs_bf16", {})
-        k = "; ".join(v.get("kernels") or []) or "-"
-        L.append(f"| {name} | {'yes' if v.get('loaded') else 'NO'} ({v.get('mode') or '-'}) | {k} | "
-                 f"{_f(s.get('kl_vs_vllm'), '.5f')} | {_f(s.get('kl_vs_ptq'), '.5f')} | "
-                 f"{_f(s.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(s.get('top1_agree'), '.3f')} | "
-                 f"{_f(g.get('token_match'), '.3f')} | {_f(tpr.get('1'), '.2f')} / {_f(tpr.get('64'), '.2f')} | "
-                 f"{verdict(r)} |")
-        w = r.get("student weights only")
-        if w:
-            L.append(f"| {name} vs its weight-only forward | | | {_f(w.get('kl_vs_vllm'), '.5f')} | "
-                     f"{_f(w.get('kl_vs_ptq'), '.5f')} | "
-                     f"{_f(w.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(w.get('top1_agree'), '.3f')} | | |")
-        if not v.get("loaded"):
-            L.append(f"| {name}: refused | | {'; '.join(v.get('init_errors') or [str(v.get('error'))])[:300]} | | | | | | |")
+         + _bf16_line(b), ""]
+    L += _table(rep["cells"], "vllm", "vLLM")
+    sg = {n: r for n, r in rep["cells"].items() if "sglang" in r}
+    if sg:
+        sb = rep.get("sglang_bf16") or {}
+        L += ["", f"SGLang {sb.get('sglang')} on {sb.get('gpu')} (torch {sb.get('torch')}), the same tokens; "
+                  f"attention_backend=triton, sampling_backend=pytorch. " + _bf16_line(sb), ""]
+        L += _table(sg, "sglang", "SGLang")
     return "\n".join(L) + "\n"
 
 
 # ============================================================================ smoke (CPU)
 def phase_smoke(a) -> Dict[str, Any]:
-    """students + report on CPU with a tiny model; vLLM's output is stood in for by the student's
-    own top-K (so the KL column must come out 0 and the PTQ column positive)."""
-    import numpy as np
-    import torch
+    """students + report on CPU with a tiny model; each engine's output is stood in for by the student's
+    own top-K (so the KL column must come out 0 and the PTQ column positive): vLLM for every cell, SGLang
+    for bf16 and the cells of --sglang-cells."""
     a.smoke = True
     st = phase_students(a)
     toks = json.loads((Path(a.work) / "tokens.json").read_text())
-    fake: Dict[str, Any] = {"bf16": {"loaded": True, "throughput": {"1": {"tokens_per_s": 100.0}}}}
+    bf = {"loaded": True, "mode": "stand-in", "throughput": {"1": {"tokens_per_s": 100.0}}}
+    fake: Dict[str, Dict[str, Any]] = {"vllm": {"bf16": dict(bf)}, "sglang": {"bf16": dict(bf, sglang="stand-in")}}
     for name, c in st["cells"].items():
         m = _student_model(c["student_dir"], "cpu")
         p = _logprobs(m, toks["heldout"], "cpu")
         lp, ix = p.topk(a.topk, -1)
-        fake[name] = {"loaded": True, "mode": "stand-in", "kernels": ["stand-in"], "arrays": {"lp": lp.numpy(),
-                      "ix": ix.numpy()}, "greedy": _greedy(m, toks["prompts"], "cpu", GEN_TOKENS),
-                      "throughput": {"1": {"tokens_per_s": 100.0}}}
+        rec = {"loaded": True, "mode": "stand-in", "kernels": ["stand-in"], "arrays": {"lp": lp.numpy(),
+               "ix": ix.numpy()}, "greedy": _greedy(m, toks["prompts"], "cpu", GEN_TOKENS),
+               "throughput": {"1": {"tokens_per_s": 100.0}}}
+        fake["vllm"][name] = rec
+        if name in a.sglang_cells:
+            fake["sglang"][name] = dict(rec, throughput={"1": {"tokens_per_s": 50.0}})
     return phase_report(a, fake)
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=["students", "vllm", "report", "smoke", "vllm-one"])
+    p.add_argument("phase", choices=["students", "vllm", "report", "smoke", "vllm-one", "sglang", "sglang-one",
+                                      "sglang-warm"])
     p.add_argument("--work", default="/tmp/qf-engines")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/qf-engines/out"))
     p.add_argument("--cells", default=",".join(c.name for c in CELLS))
@@ -619,12 +698,21 @@ def parse(argv):
     p.add_argument("--prompt-len", type=int, default=32, dest="prompt_len")
     p.add_argument("--topk", type=int, default=TOPK)
     p.add_argument("--per-model-timeout", type=int, default=110, dest="per_model_timeout")
+    p.add_argument("--sglang-cells", default=",".join(DEFAULT_SGLANG_CELLS), dest="sglang_cells",
+                   help="the exports SGLang loads (after bf16), in order")
+    p.add_argument("--sglang-timeout", type=int, default=240, dest="sglang_timeout",
+                   help="seconds per SGLang model (its first load JIT-compiles kernels)")
+    p.add_argument("--warm-wait", type=int, default=240, dest="warm_wait",
+                   help="seconds to wait for the background JIT warm-up engines.sh started")
     p.add_argument("--model"), p.add_argument("--tokens")
     a = p.parse_args(argv)
-    a.cells = [c for c in a.cells.split(",") if c]
-    bad = [c for c in a.cells if c not in {x.name for x in CELLS}]
-    if bad:
-        p.error(f"--cells: unknown {bad}; allowed: {[x.name for x in CELLS]}")
+    names = {x.name for x in CELLS}
+    for opt in ("cells", "sglang_cells"):
+        vals = [c for c in getattr(a, opt).split(",") if c]
+        bad = [c for c in vals if c not in names]
+        if bad:
+            p.error(f"--{opt.replace('_', '-')}: unknown {bad}; allowed: {sorted(names)}")
+        setattr(a, opt, vals)
     a.smoke = False
     return a
 
@@ -633,6 +721,15 @@ def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.phase == "vllm-one":
         vllm_one(a.model, a.tokens, a.out, a.topk)
+    elif a.phase in ("sglang", "sglang-one", "sglang-warm"):
+        sys.path.insert(0, str(HERE))
+        import engines_sglang as S      # here: SGLang's phases run in its own Python path
+        if a.phase == "sglang-one":
+            S.sglang_one(a.model, a.tokens, a.out, a.topk)
+        elif a.phase == "sglang":
+            S.phase_sglang(a, __file__)
+        else:
+            S.warm(a)
     elif a.phase == "students":
         phase_students(a)
     elif a.phase == "vllm":

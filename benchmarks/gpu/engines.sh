@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# vLLM itself loads and serves our exports (driver: benchmarks/gpu/engines.py; issue 16).
+# vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py; issue 16).
 #
-# Here, once:  bash benchmarks/gpu/stage.sh pack      (wheels, vLLM 0.24.0 in 3 parts, SmolLM2 GGUF parts)
-# Then six back-to-back device calls (each within the 30 s the machine stays warm; `stage.sh plan` prints
-# the sizes, all under the 64 MiB a call carries):
-#   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json]
+# Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 3 parts, SmolLM2 GGUF parts)
+#              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 41.5 MiB bundle, cut to ride along)
+# Then seven back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
+# each call's carry list and size, all under the 64 MiB a call carries; as packed on 2026-12-01 (2.7 MiB of
+# working tree in every call):
+#   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json,
+#            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh preflight  (installs both
-#                                                 stacks' wheels and imports every vLLM dependency)
-#   2 carry [.gpu/smollm2.gguf.part-aa]           bash benchmarks/gpu/engines.sh stash
-#   3 carry [.gpu/smollm2.gguf.part-ab]           bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
+#                                                 stacks' wheels and imports every vLLM dependency)   ~1 min
+#   2 carry [.gpu/smollm2.gguf.part-aa, .sglang/sglang.tar.part-01]               63.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
+#   3 carry [.gpu/smollm2.gguf.part-ab, .sglang/sglang.tar.part-02]               63.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
 #                                                 students of 4 formats, QAD runs in parallel, the tiny MoE student, 6 exports)
-#   4 carry [.vllm/vllm.zip.part-aa]              bash benchmarks/gpu/engines.sh stash
-#   5 carry [.vllm/vllm.zip.part-ab]              bash benchmarks/gpu/engines.sh stash
-#   6 carry [.vllm/vllm.zip.part-ac]              bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
-#                                                 one vllm.LLM per export + bf16, then the report)
-# Results: $OUT/engines.md, engines.json (+ each model's vllm.json / vllm.log under $WORK).
-# `bash benchmarks/gpu/engines.sh report` re-makes the report from $WORK alone.
+#   4 carry [.vllm/vllm.zip.part-aa, .sglang/sglang.tar.part-03]                  63.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
+#   5 carry [.vllm/vllm.zip.part-ab, .sglang/sglang.tar.part-04]                  63.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
+#   6 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-05]                  62.4 MiB
+#                                                 bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
+#                                                 one vllm.LLM per export + bf16, then the report; SGLang's
+#                                                 parts are all there now, so it is installed and its FP4-Marlin
+#                                                 JIT kernels built in the background meanwhile, CPU work)
+#   7 carry []                                     2.7 MiB
+#                                                 bash benchmarks/gpu/engines.sh sglang     (~4-6 min: waits for
+#                                                 that warm-up, one sglang.Engine for bf16 and one for the
+#                                                 ModelOpt NVFP4 export, then the report with both engines)
+# About 19-21 device minutes in all, machine starts included (calls 1-6 as before, ~15 min; call 7 ~5 min).
+# If call 7 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
+# the JIT cache in /tmp/qf-tvmffi too. Results: $OUT/engines.md, engines.json (+ each model's vllm.json /
+# sglang.json and logs under $WORK, $OUT/sglang_logs.tgz). `bash benchmarks/gpu/engines.sh report` re-makes
+# the report from $WORK alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -26,6 +43,22 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # the package is not pip-installed there: exporters/ importable as qatfactory.exporters (device-local link)
 [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
 OURS="/tmp/site:$PWD"
+# SGLang's JIT kernels (tvm-ffi + nvcc): one cache for the background warm-up and the runs
+export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/qf-tvmffi}
+
+sglang_warm() {   # install SGLang and build its FP4-Marlin JIT kernels in the background, once
+    [ -f /tmp/qf-parts/sglang.manifest.json ] || return 0
+    [ -f "$WORK/sglang-warm.pid" ] && return 0
+    python3 benchmarks/gpu/carry_plan.py ready --parts /tmp/qf-parts >/dev/null 2>&1 || return 0
+    # from a copy: the next call replaces this working tree while the warm-up still runs
+    rm -rf /tmp/qf-sgwarm && mkdir -p /tmp/qf-sgwarm/benchmarks/gpu
+    cp benchmarks/gpu/{stage.sh,carry_plan.py,engines.py,engines_sglang.py} /tmp/qf-sgwarm/benchmarks/gpu/
+    setsid bash -c "bash /tmp/qf-sgwarm/benchmarks/gpu/stage.sh install-sglang && \
+        PYTHONPATH=/tmp/sgsite timeout 1500 python3 /tmp/qf-sgwarm/benchmarks/gpu/engines.py sglang-warm --work '$WORK'" \
+        > "$WORK/sglang-warm.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/sglang-warm.pid"
+    echo "SGLang install + JIT warm-up started in the background (pid $!, log $WORK/sglang-warm.log)"
+}
 cmd=${1:-all}; shift || true
 
 bash benchmarks/gpu/stage.sh stash >/dev/null
@@ -40,13 +73,34 @@ case $cmd in
             2>&1 | tee "$OUT/engines_students.log" ;;
     vllm)
         [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
+        [ -n "${NO_SGLANG_WARM:-}" ] || sglang_warm
         # the vLLM phase stops in time for the report to fit the 600 s a device call may run
         PYTHONPATH=/tmp/vsite timeout -k 10 "${T_VLLM:-450}" python3 benchmarks/gpu/engines.py vllm --work "$WORK" "$@" \
             2>&1 | tee "$OUT/engines_vllm.log"
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/vllm_logs.tgz" */vllm.log */vllm.json qad-*.log 2>/dev/null) ;;
+    sglang)
+        # the background install (call 6) may still be running: wait for its marker, else install here
+        warm_alive() { pid=$(cat "$WORK/sglang-warm.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
+        for _ in $(seq 1 150); do
+            [ -f /tmp/sgsite/.qf-installed ] && break
+            warm_alive || break
+            sleep 2
+        done
+        if [ ! -f /tmp/sgsite/.qf-installed ]; then
+            warm_alive && { echo "the background SGLang install is still running after 300 s: see $WORK/sglang-warm.log" >&2; exit 2; }
+            bash benchmarks/gpu/stage.sh install-sglang || exit 2
+        fi
+        PYTHONPATH=/tmp/sgsite timeout -k 10 "${T_SGLANG:-450}" python3 benchmarks/gpu/engines.py sglang --work "$WORK" "$@" \
+            2>&1 | tee "$OUT/engines_sglang.log"
+        PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
+            | tee "$OUT/engines_report.log"
+        (cd "$WORK" && tar czf "$OUT/sglang_logs.tgz" */sglang.log */sglang.json sglang-warm.* 2>/dev/null)
+        # the built JIT kernels come back if small enough to carry next time (stage.sh does not use them yet)
+        tar czf /tmp/qf-tvmffi.tgz -C "$TVM_FFI_CACHE_DIR" . 2>/dev/null \
+            && [ "$(stat -c %s /tmp/qf-tvmffi.tgz)" -lt $((15 * 1024 * 1024)) ] && cp /tmp/qf-tvmffi.tgz "$OUT/" ;;
     report)
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" "$@" ;;
-    *) echo "usage: $0 stash|students|vllm|report" >&2; exit 2 ;;
+    *) echo "usage: $0 stash|preflight|students|vllm|sglang|report" >&2; exit 2 ;;
 esac

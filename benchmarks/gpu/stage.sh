@@ -12,6 +12,10 @@
 #   bash benchmarks/gpu/stage.sh stash           # copy whatever this call carried into /tmp/qf-parts
 #   bash benchmarks/gpu/stage.sh install-ours    # /tmp/site  <- .whl (our stack; PYTHONPATH=/tmp/site)
 #   bash benchmarks/gpu/stage.sh install-vllm    # /tmp/vsite <- the reassembled vLLM (sha256 checked) + deps
+#   bash benchmarks/gpu/stage.sh install-sglang  # /tmp/sgsite <- SGLang's reassembled bundle (sha256 checked)
+#                                                # + the shared pins from .vllm/deps, then an import check
+# SGLang (here, after `pack`): bash benchmarks/gpu/stage.sh pack-sglang  (.sglang/: one tar of slimmed
+# wheels cut into parts that ride in the room the six vLLM calls leave; carry_plan.py decides)
 #
 # vLLM 0.24.0 is the newest release whose torch pin (==2.11.0) and CUDA 13 extensions match the image.
 # Its wheel is 279 MB; two files are left out of the carried copy, both unused by offline `vllm.LLM` on an
@@ -42,6 +46,41 @@ VLLM_DEPS=(
     compressed-tensors==0.17.0 depyf==0.20.0 dill==0.4.1 diskcache==5.6.3 gguf==0.19.0 ijson==3.6.0
     lark==1.2.2 loguru==0.7.3 python-json-logger==4.2.0 setproctitle==1.3.8 typing-extensions==4.16.0
     watchfiles==1.3.0 jiter==0.19.0 distro==1.9.0 importlib-metadata==10.2.0
+)
+# SGLang 0.5.17: the newest release whose torch pin (==2.11.0) matches the image; its kernels (sglang-kernel
+# 0.4.5) link libcudart.so.13. Found by walking the import chain of an offline sglang.Engine with only the
+# image's packages visible (CPU, CUDA faked, 2026-12-01): what it imports that the image lacks is below,
+# the rest of its 70-odd requirements (flash-attn-4, cutlass-dsl, tilelang, quack, deep-gemm, torchao,
+# outlines, mistral-common, ...) are optional imports it skips. Three are slimmed (files removed, nothing
+# else changed, pip installs the rest):
+#   sglang-kernel  sgl_kernel/flash_ops (FlashAttention 3, 326 of the 365 MB; loaded only by
+#                  sgl_kernel.flash_attn, i.e. attention_backend="fa3"), sm100/ (Blackwell's common_ops),
+#                  infllm_ops and flashmla_ops (lazily loaded, other models); Hopper loads sm90/common_ops
+#   flashinfer     flashinfer/data/ (cutlass/cccl headers and sources for FlashInfer's own JIT: imported at
+#                  module level by SGLang's fp8 utils and sampler, but with attention_backend="triton" and
+#                  sampling_backend="pytorch" no FlashInfer kernel is built or run)
+#   sglang         multimodal_gen/ (diffusion), srt/server/_core, srt/grpc/_core (the HTTP/gRPC servers)
+#                  and srt/multimodal/_core (one multimodal processor)
+# transformers is pinned ==5.12.1 by SGLang and the image's 5.17 breaks its import (sglang.srt.configs
+# registers "qwen3_asr", which 5.17 already has); 5.12.1 caps tokenizers at <=0.23.0 (the image: 0.23.2).
+# xgrammar: 0.2.9 from .vllm/deps instead of the pinned 0.2.1 (42.6 MB): SGLang imports only StructuralTag
+# and xgrammar.structural_tag at module level, and the engine runs with grammar_backend="none".
+SGLANG_VERSION=0.5.17
+SGLANG_WHEELS=(
+    "sglang==$SGLANG_VERSION" sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
+    transformers==5.12.1 tokenizers==0.22.2 openai==2.6.1 orjson==3.13.0 uvicorn==0.54.0
+    ipython==9.18.1 traitlets==5.16.1
+)
+# what it imports that VLLM_DEPS already pins (carried once, in call 1)
+SGLANG_FROM_VLLM=(
+    annotated-types apache-tvm-ffi compressed-tensors dill distro fastapi gguf loguru msgspec
+    partial-json-parser pybase64 pydantic pydantic-core pyzmq setproctitle sniffio starlette
+    typing-extensions typing-inspection xgrammar
+)
+SGLANG_SLIM=(   # wheel-name prefix : zip patterns removed
+    "sglang-:sglang/multimodal_gen/* sglang/srt/server/_core* sglang/srt/grpc/_core* sglang/srt/multimodal/_core*"
+    "sglang_kernel-:sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100/* sgl_kernel/infllm_ops* sgl_kernel/flashmla_ops.abi3.so"
+    "flashinfer_python-:flashinfer/data/*"
 )
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in 1 5 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
@@ -84,30 +123,39 @@ case $cmd in
         bash benchmarks/gpu/pipeline.sh pack
         bash "$0" plan ;;
     plan)
-        # group the carried files into calls under 64 MiB (minus the working tree)
-        tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-        python3 - "$tree" <<'EOF'
-import os, sys
-from pathlib import Path
-tree, cap = int(sys.argv[1]), 64 * 2**20
-groups = [[".whl", ".vllm/deps", ".vllm/vllm.manifest", ".gpu/assets", ".gpu/smollm2.gguf.parts.json"]]
-groups += [[str(p)] for p in sorted(Path(".gpu").glob("smollm2.gguf.part-*"))]
-groups += [[str(p)] for p in sorted(Path(".vllm").glob("vllm.zip.part-*"))]
-def size(p):
-    p = Path(p)
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else (p.stat().st_size if p.exists() else 0)
-for i, g in enumerate(groups, 1):
-    s = tree + sum(size(p) for p in g)
-    print(f"call {i}: {s / 2**20:5.1f} MiB {'OK ' if s < cap else 'TOO BIG'} carry={g}")
-EOF
-        ;;
+        # every call's carry list, sizes (tree included) checked against 64 MiB; SGLang's parts folded in
+        python3 benchmarks/gpu/carry_plan.py plan ;;
+    pack-sglang)
+        # SGLang's wheels, slimmed, in one tar cut into parts that fill the room of the calls above
+        # (run after `pack`: the room is measured on what is staged then)
+        mkdir -p .sglang; [ -f .sglang/.gitignore ] || echo '*' > .sglang/.gitignore
+        rm -f .sglang/sglang.tar.part-* .sglang/sglang.manifest.json
+        tmp=$(mktemp -d)
+        fetch "$tmp/w" "${SGLANG_WHEELS[@]}"
+        for spec in "${SGLANG_SLIM[@]}"; do
+            pre=${spec%%:*}; pats=${spec#*:}
+            whl=$(ls "$tmp/w/$pre"*.whl)
+            sha256sum "$whl" | cut -d' ' -f1 > "$whl.orig-sha256"
+            # shellcheck disable=SC2086  # the patterns are zip's own wildcards
+            (set -f; zip -q -d "$whl" $pats)
+        done
+        (cd "$tmp/w" && tar --sort=name --mtime=@0 --owner=0 --group=0 -cf "$tmp/sglang.tar" -- *.whl)
+        python3 benchmarks/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang \
+            --margin-kib "${SGLANG_MARGIN_KIB:-512}" > "$tmp/parts.json"
+        python3 benchmarks/gpu/carry_plan.py manifest --bundle "$tmp/sglang.tar" --wheels "$tmp/w" \
+            --parts-json "$tmp/parts.json" --version "$SGLANG_VERSION" --shared "${SGLANG_FROM_VLLM[*]}" \
+            --slim "${SGLANG_SLIM[@]}"
+        rm -rf "$tmp"
+        bash "$0" plan ;;
     stash)
         mkdir -p "$PARTS"
         for src in .whl .vllm/deps; do
             [ -d "$src" ] || continue
             mkdir -p "$PARTS/$src"; cp -n "$src"/*.whl "$PARTS/$src/" 2>/dev/null || true
         done
-        for f in .vllm/vllm.manifest .vllm/vllm.zip.part-*; do [ -f "$f" ] && cp "$f" "$PARTS/"; done
+        for f in .vllm/vllm.manifest .vllm/vllm.zip.part-* .sglang/sglang.manifest.json .sglang/sglang.tar.part-*; do
+            [ -f "$f" ] && cp "$f" "$PARTS/"
+        done
         [ -d .gpu ] && bash benchmarks/gpu/pipeline.sh stash >/dev/null
         ls "$PARTS" ;;
     install-ours)
@@ -148,5 +196,30 @@ raise SystemExit(1 if bad else 0)" ;;
         rm -f /tmp/vllm.zip
         PYTHONPATH=/tmp/vsite python3 -c "import vllm.entrypoints.llm" || { echo "import vllm.entrypoints.llm failed" >&2; exit 2; }
         echo "vLLM $(grep '^wheel ' "$man" | cut -d' ' -f2) in /tmp/vsite ($(du -sh /tmp/vsite | cut -f1))" ;;
-    *) echo "usage: $0 pack|plan|stash|install-ours|install-vllm-deps|install-vllm" >&2; exit 2 ;;
+    install-sglang)
+        # /tmp/sgsite: SGLang's bundle (parts and wheels sha256-checked) + the pins it shares with vLLM
+        [ -f "$PARTS/sglang.manifest.json" ] || { echo "no $PARTS/sglang.manifest.json: carry .sglang/ and stash it" >&2; exit 2; }
+        rm -rf /tmp/sgwheels /tmp/sgsite/.qf-installed
+        python3 benchmarks/gpu/carry_plan.py assemble --parts "$PARTS" --dest /tmp/sgwheels >/dev/null || exit 2
+        shared=()
+        for n in "${SGLANG_FROM_VLLM[@]}"; do
+            f=$(ls "$PARTS/.vllm/deps/" 2>/dev/null | grep -i "^${n//-/_}-[0-9]" | head -1 || true)
+            [ -n "$f" ] || { echo "install-sglang: $n not in $PARTS/.vllm/deps (carry .vllm/deps first)" >&2; exit 2; }
+            shared+=("$PARTS/.vllm/deps/$f")
+        done
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite \
+            /tmp/sgwheels/*.whl "${shared[@]}" || exit 2
+        rm -rf /tmp/sgwheels
+        # the modules an offline Engine imports; sgl_kernel loads its Hopper ops against the image's torch
+        PYTHONPATH=/tmp/sgsite python3 -c "
+import sgl_kernel, flashinfer, transformers
+from sglang.srt.entrypoints.engine import Engine
+import sglang.srt.managers.scheduler, sglang.srt.model_executor.model_runner, sglang.srt.models.llama
+import sglang.srt.layers.attention.triton_backend, sglang.srt.layers.quantization.modelopt_quant
+import sglang.srt.layers.sampler, sglang.srt.model_loader.loader, sglang.srt.managers.detokenizer_manager
+print('SGLang import OK: sglang-kernel', sgl_kernel.__version__, '| flashinfer', flashinfer.__version__,
+      '| transformers', transformers.__version__, '|', sgl_kernel.common_ops.__file__)" || exit 2
+        touch /tmp/sgsite/.qf-installed    # engines.sh sglang waits for this marker
+        echo "SGLang $SGLANG_VERSION in /tmp/sgsite ($(du -sh /tmp/sgsite | cut -f1))" ;;
+    *) echo "usage: $0 pack|pack-sglang|plan|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
 esac
