@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .._recipes import format_recipe, format_recipes
+from ..formats.scale_search import SEARCH_METHODS
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
 
 
-CALIB_METHODS = ("max", "mse", "four_over_six")
+CALIB_METHODS = SEARCH_METHODS   # the block-scale searches the formats know (formats/scale_search.py)
 
 
 STE_MODES = ("identity", "clipped")
