@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import llama_tools as LT
+import gguf
 
 # llama-quantize's way to write each GGUF family for a dense model (see recipes/format/*_gguf.yaml)
 FP4_OVERRIDES = {"mxfp4": ("attn_(q|k|v|output)=mxfp4", "ffn_(gate|up|down)=mxfp4"),
@@ -85,7 +86,6 @@ def make_scorer(model_dir, eval_texts: Sequence[str], work: Path, cache: Optiona
 
 
 def gguf_summary(path) -> Dict[str, Any]:
-    import gguf
     r = gguf.GGUFReader(str(path))
     types = Counter(t.tensor_type.name for t in r.tensors)
     data = Path(path).stat().st_size - min(int(t.data_offset) for t in r.tensors)
@@ -153,9 +153,9 @@ def table_lines(rows: List[Dict[str, Any]], teacher_ppl: Optional[float]) -> Lis
 
 
 def plot(rows: List[Dict[str, Any]], png: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
     fams = list(dict.fromkeys(r.get("family", "") for r in rows))
     fig, axes = plt.subplots(1, len(fams), figsize=(4.2 * len(fams), 3.6), squeeze=False)
     for ax, fam in zip(axes[0], fams):

@@ -36,6 +36,8 @@ from .common import (act_decode_scale, compare_values, exact_logits_check, f32_b
 from . import kv as KVG  # issue 22
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 from ..gguf_tokenizer import gate_check as tokenizer_gate
+from .llama_cpp_runtime import runtime_check
+import ctypes
 
 # HF model_type -> (gguf-py MODEL_ARCH member name, llama.cpp permutes Q/K rows for interleaved RoPE)
 ARCH = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "mixtral": ("LLAMA", True),
@@ -115,7 +117,6 @@ def parse_ggml_blocks(raw: np.ndarray, kind: str, k: int) -> Tuple[np.ndarray, n
 
 def libggml_dequantizer():
     """libggml-python's C dequantizers through ctypes (a required check: Missing when absent)."""
-    import ctypes
 
     libggml = need("libggml")
     base = os.path.dirname(libggml.__file__)
@@ -264,7 +265,6 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
     if not llama_cpp:
         res.opted_out("logits", "llama.cpp runtime", "llama_cpp=False")
         return
-    from .llama_cpp_runtime import runtime_check
     runtime_check(res, path, student, prompt, {g: tt.tensor_type.name for g, tt in tensors.items()}, names, cache)
 
 

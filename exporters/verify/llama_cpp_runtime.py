@@ -57,6 +57,7 @@ from qatfactory.formats import ConvertedModel
 
 from .common import model_from_state_dict, nonfinite, student_weights, tied
 from .result import FAIL, Missing, VerifyResult
+import torch.nn.functional as F
 
 KL_RATIO = 0.1      # KL(reference || llama.cpp) allowed, as a fraction of the Q8 activation effect's KL ...
 AMB_FACTOR = 2.0    # ... or as a multiple of the KL of tipping every rounding that sits within float noise
@@ -199,7 +200,6 @@ def emulated_logits(student: ConvertedModel, prompts: List[List[int]], types: Di
                     ) -> Dict[str, Any]:
     """Plain, emulated and tipped logits [prompts, positions, vocab] of the student's model, and
     what was rounded how."""
-    import torch.nn.functional as F
 
     model = model_from_state_dict(student.config, student_weights(student), eager_experts=True)
     ids = torch.tensor(prompts)

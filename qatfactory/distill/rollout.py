@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
+import inspect
 
 
 @dataclass
@@ -86,7 +87,6 @@ def _decode(tok, ids) -> str:
 
 def _cache_kwarg(model) -> str:
     """transformers 5.x names the KV cache ``cache`` (``past_key_values`` before, still accepted)."""
-    import inspect
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

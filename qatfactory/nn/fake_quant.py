@@ -26,6 +26,7 @@ from ..formats import get_format
 from ..formats import codecs as C
 from ..formats.scale_search import GRID_CODECS as _GRID_CODECS, scale_grid   # the one-byte block-scale grids
 from .. import kernels
+from ..formats import list_formats
 
 E2M1_QMAX = 6.0
 
@@ -42,7 +43,6 @@ def takes_imatrix(fmt) -> bool:
 
 
 def grid_formats():
-    from ..formats import list_formats
     return [n for n in list_formats() if scale_grid(get_format(n)) and get_format(n).spec.role != "activation"]
 
 

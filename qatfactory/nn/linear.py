@@ -22,6 +22,8 @@ from . import step_cache, weight_cache
 from .fake_quant import ActQuantizer
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
+from .. import kernels
+from .fake_quant import quant_kwargs
 
 
 class QuantLinear(nn.Module):
@@ -106,8 +108,6 @@ class QuantLinear(nn.Module):
         hit = getattr(self, "_recompute_key", None)
         if hit is not None and hit[0] == key:
             return hit[1]
-        from .. import kernels
-        from .fake_quant import quant_kwargs
         fmt = wq.fmt
         probe = self.weight.detach()
         # ggml types that take an importance matrix may run the emulator (checking would sync the host)

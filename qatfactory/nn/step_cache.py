@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Callable, List, Optional
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _STATE = {"enabled": 0, "epoch": 0, "hooked": False}
 _WEIGHTS: List[bool] = []                 # one entry per open enabled() block
@@ -60,7 +61,6 @@ def _optimizer_stepped(optimizer, args, kwargs) -> None:
 def _hook_optimizers() -> None:
     if _STATE["hooked"]:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(_optimizer_stepped)
     _STATE["hooked"] = True
 

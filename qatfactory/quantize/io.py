@@ -10,6 +10,10 @@ from torch import nn
 
 from .config import QuantConfig
 from .prepare import prepare
+from .. import _fsutil
+from .._fsutil import load_safetensors
+from ..exitcodes import CorruptFileError
+from safetensors.torch import save_file
 
 QUANT_FILE = "qatfactory_quant.json"
 
@@ -32,9 +36,7 @@ def save_student(model: nn.Module, out_dir: str) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
     Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
     is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
-    from safetensors.torch import save_file
 
-    from .. import _fsutil
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
@@ -54,10 +56,8 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Rebuild a saved student: from_config (never remote code), prepare with the saved
     QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
     named in the error (exitcodes.CorruptFileError, exit code 4)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
 
-    from .._fsutil import load_safetensors
-    from ..exitcodes import CorruptFileError
     qpath = os.path.join(path, QUANT_FILE)
     if not os.path.isfile(qpath):
         raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")

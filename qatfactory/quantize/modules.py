@@ -21,6 +21,8 @@ from ..nn.lora import LoRA
 from ..nn.lowbit import LowBitQuantizer
 from .config import POLICY_TARGETS, QuantConfig, match
 from .search import search_scales
+from ..formats import list_formats
+from ..formats.policy import ggml_policy
 
 # children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -132,13 +134,11 @@ def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str
 
 def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config, tied: bool = False) -> Optional[str]:
     if fmt in POLICY_TARGETS:
-        from ..formats.policy import ggml_policy
         t = ggml_policy(param_name, shape, _n_layers(config), base="q4_k", n_experts=_n_experts(config), tied=tied)
         if t is None:
             t = "q4_k"    # a tensor the policy has no role for: the base type
         if t == "f16":
             return None
-        from ..formats import list_formats
         if t not in list_formats():
             raise NotImplementedError(f"{param_name}: the {fmt} policy asks for {t!r}, which is not a registered "
                                       f"format (registered: {list_formats()}); add a rule for this module")

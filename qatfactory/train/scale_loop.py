@@ -39,6 +39,10 @@ from .config import RunConfig, validate
 from .data import Order, load_data, rank_batch
 from .methods import Student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
+from . import rundir
+from .. import _fsutil
+from .data import load_tokenizer
+from .engine import StudentLM, _barrier, _rank_world, _resolve_device, ds_config, eval_count, evaluate, init_distributed, lr_lambda, seed_all
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -58,20 +62,16 @@ def check(cfg: RunConfig) -> None:
 
 
 def _tokenizer(cfg: RunConfig, ck: NT.NativeCheckpoint):
-    from .data import load_tokenizer
     if cfg.model.tokenizer or ck.source_dir:
         return load_tokenizer(cfg.model.tokenizer or ck.source_dir)
     if ck.gguf_file:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
         return AutoTokenizer.from_pretrained(str(ck.path), gguf_file=ck.gguf_file)
     raise BadInputError(f"{ck.path}: no tokenizer files; give model.tokenizer=<a tokenizer directory>")
 
 
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
-    import deepspeed
-    from . import rundir
-    from .engine import (StudentLM, _barrier, _rank_world, _resolve_device, ds_config, eval_count, evaluate,
-                         init_distributed, lr_lambda, seed_all)
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     if eval_only:
         raise UsageError("method=scale_adapter: eval-only runs are not implemented; runs evaluate at start and end")
     cfg = validate(cfg)
@@ -167,7 +167,6 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     student.request(cfg, run_dir, decision.get("export_dir"))
     _barrier()
     if rank == 0:
-        from .. import _fsutil
         _fsutil.write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=1, default=str))
         if t.plots:
             plot_curves(run_dir)
