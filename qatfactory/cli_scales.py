@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import List, Optional
+from .cli_export import _print_result, verdict_code
+from qatfactory import exitcodes as X
+from qatfactory._fsutil import check_replaceable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +53,6 @@ def _parser() -> argparse.ArgumentParser:
 def _gate(out, ck, cm, args) -> int:
     from qatfactory.exporters import verify
     from qatfactory.exporters.verify.code_plane import check_code_plane
-    from .cli_export import _print_result, verdict_code
     res = verify(out, cm, logits=not getattr(args, "no_logits", False))
     check_code_plane(res, out, ck.path, cm)
     _print_result(res, getattr(args, "quiet", False))
@@ -69,7 +71,6 @@ def _run(args) -> int:
     tensors, meta = N.load_scale_file(args.scales, ck)
     cm = N.converted_with_scales(ck, tensors, meta.get("format") or None)
     if args.cmd == "export":
-        from qatfactory._fsutil import check_replaceable
         from qatfactory.exporters import export
         check_replaceable(args.out, ("export",), "export", [args.base])
         r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force)
@@ -84,7 +85,6 @@ def _run(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from qatfactory import exitcodes as X
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:

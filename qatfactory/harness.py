@@ -34,6 +34,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .exitcodes import BadInputError, UsageError
+from . import _fsutil
+from . import assets
+from . import exitcodes as X
+from .assets import sha256_file
+from importlib.metadata import version
+from tqdm import tqdm
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_tasks"
 OFFLINE_TASKS = ("qf_gsm8k", "qf_wiki_ppl", "qf_persuasion_ppl")
@@ -280,7 +286,6 @@ class LlamaCppLM(_lm_base()):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
-        from tqdm import tqdm
         out = []
         for _, ctx, cont in tqdm(requests, disable=disable_tqdm, desc="llama.cpp loglikelihood"):
             # the last max_length + 1 tokens: max_length inputs predicting the continuation (as HFLM cuts them)
@@ -302,7 +307,6 @@ class LlamaCppLM(_lm_base()):
         return res
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
-        from tqdm import tqdm
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="llama.cpp generate"):
             ctx, kw = req.args
@@ -391,10 +395,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
 
 
 def provenance(tasks: List[str], files: Dict[str, str]) -> Dict[str, Any]:
-    from importlib.metadata import version
 
-    from . import assets
-    from .assets import sha256_file
     data: Dict[str, Any] = {}
     need = {"qf_gsm8k": "gsm8k", "qf_wiki_ppl": "wiki", "qf_persuasion_ppl": "austen"}
     for t in tasks:
@@ -418,7 +419,6 @@ def table(rec: Dict[str, Any]) -> str:
 
 
 def write(out: Path, rec: Dict[str, Any]) -> None:
-    from . import _fsutil
     out.mkdir(parents=True, exist_ok=True)
     _fsutil.write_text_atomic(out / "results.json", json.dumps(rec, indent=1, default=str))
     _fsutil.write_text_atomic(out / "results.md", f"# qatfactory eval {rec['target']} ({rec['backend']})\n\n"
@@ -427,7 +427,6 @@ def write(out: Path, rec: Dict[str, Any]) -> None:
 
 
 def main(argv: List[str]) -> int:
-    from . import exitcodes as X
     try:
         run(list(argv))
     except (UsageError, BadInputError) as e:

@@ -17,7 +17,8 @@ The promise kept here: the prepared model's forward equals, with atol=0, the for
 model rebuilt from ``convert(model)``'s dequantized tensors.
 
 The package: config (QuantConfig, presets), modules (what a model holds), prepare, search
-(block-scale search), calibrate, coverage, convert (+ the ZeRO-3 hook), io (save / load).
+(block-scale search; its numerics are formats/scale_search.py), calibrate, coverage, convert (+ the ZeRO-3
+hook), io (save / load).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from . import methods as M
 from .data import DataConfig
 from .methods import NO_QUANT  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
 from .methods import quant_start
+from ..exitcodes import UsageError
 
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
@@ -203,7 +204,6 @@ def register_configs() -> None:
 
 def _override_message(e: BaseException) -> str:
     """One line from Hydra's / OmegaConf's multi-line errors: the override, what is wrong, what is allowed."""
-    import re
     msg = str(e)
     cause = e.__cause__ or e.__context__
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
@@ -253,7 +253,6 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config") 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..exitcodes import UsageError
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
