@@ -321,7 +321,9 @@ def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
 
 def _architectures(model_type):
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names  # noqa: PLC0415 (heavy: transformers)
+        from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 (heavy: transformers)
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names,
+        )
     except ImportError:  # transformers is an install requirement; keep the export going without it
         return None
     cls = names.get(model_type)

@@ -52,7 +52,7 @@ def _run_error_code(e: BaseException) -> int:
     and refused models -> BAD_INPUT, anything else -> RUN_FAILED."""
     if getattr(e, "exit_code", None) is not None or isinstance(e, KeyboardInterrupt):
         return X.code_for(e)
-    from .quantize import CoverageError  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+    from .quantize import CoverageError  # noqa: PLC0415 (CLI start)
     if isinstance(e, _FILE_ERRORS + (CoverageError,)):
         return X.BAD_INPUT
     return X.RUN_FAILED
@@ -60,7 +60,7 @@ def _run_error_code(e: BaseException) -> int:
 
 def _fail(prog: str, e: BaseException, code: int) -> int:
     """One line on stderr (every rank that failed; the rank named when there are several)."""
-    import torch.distributed as dist  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+    import torch.distributed as dist  # noqa: PLC0415 (CLI start)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         prog = f"{prog} [rank {dist.get_rank()}]"
     e.exit_code = code if getattr(e, "exit_code", None) is None else e.exit_code
@@ -79,7 +79,7 @@ def train_main(argv: List[str]) -> int:
     2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
     argv = _strip_launcher_args(list(argv))
     if any(a in ("-h", "--help") for a in argv):
-        from .train.config import recipes_dir  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+        from .train.config import recipes_dir  # noqa: PLC0415 (CLI start)
         r = recipes_dir()
         print("usage: qatfactory train [group=option ...] [key=value ...]\n\nrecipe groups:")
         for g in sorted(p for p in r.iterdir() if p.is_dir()):
@@ -91,13 +91,13 @@ def train_main(argv: List[str]) -> int:
               file=sys.stderr)
         return X.USAGE
     try:
-        from .train.config import compose  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+        from .train.config import compose  # noqa: PLC0415 (CLI start)
         cfg = compose(argv)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
         # the trainer returns its student; this face ships it (export + the parity gate)
-        from .ship import train_and_ship  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+        from .ship import train_and_ship  # noqa: PLC0415 (CLI start)
         s = train_and_ship(cfg)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
@@ -115,7 +115,7 @@ def train_main(argv: List[str]) -> int:
 def _shutdown(engine) -> None:
     """Tear the engine and the process group down before the interpreter exits (leaving them to
     exit-time destructors sometimes aborted a launcher rank after a successful run)."""
-    import torch.distributed as dist  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+    import torch.distributed as dist  # noqa: PLC0415 (CLI start)
     if engine is not None and hasattr(engine, "destroy"):
         engine.destroy()
     # one process keeps its group: a later run in the same interpreter (tests, notebooks) reuses it
@@ -160,7 +160,7 @@ def eval_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001
         return X.report("qatfactory eval", e, _run_error_code(e))
     try:
-        from .train.engine import run  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+        from .train.engine import run  # noqa: PLC0415 (CLI start)
         s = run(cfg, eval_only=True)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
@@ -174,10 +174,10 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     """The RunConfig to evaluate ``path``: the checkpoint's own settings (trainer_state.json), the
     command-line overrides on top, run_dir from --out or the checkpoint's location. The input paths
     the settings name (model, data, teacher) are read only and printed; nothing is written there."""
-    from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+    from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
 
-    from .train import checkpoint as ckpt  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
-    from .train.config import RunConfig, validate  # noqa: PLC0415 (CLI start: `qatfactory --help` imports no torch)
+    from .train import checkpoint as ckpt  # noqa: PLC0415 (CLI start)
+    from .train.config import RunConfig, validate  # noqa: PLC0415 (CLI start)
     why = ckpt.incomplete(path) if path.is_dir() else f"{path} is not a directory"
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")

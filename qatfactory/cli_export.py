@@ -26,7 +26,7 @@ def load_converted(student: str, source_dir: Optional[str] = None):
     """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
     generation config and chat template are copied from)."""
 
-    from qatfactory.quantize import convert, load_student
+    from qatfactory.quantize import convert, load_student  # noqa: PLC0415 (CLI start)
 
     if not os.path.isdir(student):
         raise FileNotFoundError(f"student directory {student!r} does not exist (expected a save_student output)")
@@ -42,7 +42,7 @@ def load_converted(student: str, source_dir: Optional[str] = None):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from qatfactory.exporters import list_exporters
+    from qatfactory.exporters import list_exporters  # noqa: PLC0415 (CLI start)
 
     p = argparse.ArgumentParser(prog="qatfactory", description="export a trained student / verify an export")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -111,8 +111,8 @@ def verdict_code(res) -> int:
 
 
 def _run(args) -> int:
-    from qatfactory.exporters import verify
-    from qatfactory.ship import ship
+    from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
+    from qatfactory.ship import ship  # noqa: PLC0415 (CLI start)
 
     if args.cmd == "export":
         # refused before the student is even loaded: an output that is not ours, or that is (or

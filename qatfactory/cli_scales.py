@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _gate(out, ck, cm, args) -> int:
-    from qatfactory.exporters import verify
-    from qatfactory.exporters.verify.code_plane import check_code_plane
+    from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
+    from qatfactory.exporters.verify.code_plane import check_code_plane  # noqa: PLC0415 (CLI start)
     res = verify(out, cm, logits=not getattr(args, "no_logits", False))
     check_code_plane(res, out, ck.path, cm)
     _print_result(res, getattr(args, "quiet", False))
@@ -60,7 +60,7 @@ def _gate(out, ck, cm, args) -> int:
 
 
 def _run(args) -> int:
-    from . import native as N
+    from . import native as N  # noqa: PLC0415 (CLI start)
     if args.cmd == "extract":
         ck = N.read_native(args.base)
         meta = N.base_scale_file(ck, args.out)
@@ -71,7 +71,7 @@ def _run(args) -> int:
     tensors, meta = N.load_scale_file(args.scales, ck)
     cm = N.converted_with_scales(ck, tensors, meta.get("format") or None)
     if args.cmd == "export":
-        from qatfactory.exporters import export
+        from qatfactory.exporters import export  # noqa: PLC0415 (CLI start)
         check_replaceable(args.out, ("export",), "export", [args.base])
         r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force)
         print(f"exported {r.engine}/{r.flavour} -> {r.path} (codes of {ck.path}, scales of {args.scales})")

@@ -153,9 +153,9 @@ def table_lines(rows: List[Dict[str, Any]], teacher_ppl: Optional[float]) -> Lis
 
 
 def plot(rows: List[Dict[str, Any]], png: Path, title: str) -> Path:
-    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     fams = list(dict.fromkeys(r.get("family", "") for r in rows))
     fig, axes = plt.subplots(1, len(fams), figsize=(4.2 * len(fams), 3.6), squeeze=False)
     for ax, fam in zip(axes[0], fams):

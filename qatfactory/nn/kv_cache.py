@@ -205,7 +205,10 @@ def _attention_for(inner: str):
 
 def register_attention(inner: str) -> str:
     """Register ``qatfactory_kv_<inner>`` (attention and mask functions) with transformers; returns it."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # noqa: PLC0415 (heavy: transformers)
+    from transformers.masking_utils import (  # noqa: PLC0415 (heavy: transformers)
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
     from transformers.modeling_utils import AttentionInterface  # noqa: PLC0415 (heavy: transformers)
     name = f"{ATTN_PREFIX}{inner}"
     if name not in AttentionInterface._global_mapping:

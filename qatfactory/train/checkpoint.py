@@ -169,7 +169,9 @@ def scan(ckpt: Path) -> None:
 
 def make_safe(engine) -> None:
     """Give the DeepSpeed engine a checkpoint engine whose load is :func:`safe_torch_load`."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415 (optional: deepspeed)
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (  # noqa: PLC0415 (optional: deepspeed)
+        TorchCheckpointEngine,
+    )
     ce = getattr(engine, "checkpoint_engine", None)
     if ce is None or type(ce).__name__ == "SafeLoad":
         return

@@ -379,8 +379,12 @@ def load(engine, gdir, rank: int, world: int) -> Dict[str, Any]:
             raise BadInputError("reshard: this DeepSpeed's ZeRO-1/2 optimizer has no _lazy_init_hp_params_optimizer_state")
         opt._hp_optimizer_states_linked = False
         link()
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,  # noqa: PLC0415 (optional: deepspeed)
-                                 safe_set_local_optimizer_state)
+    from deepspeed.utils import (  # noqa: PLC0415 (optional: deepspeed)
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
     r = _Reader(gdir, idx)
     with torch.no_grad():
         for n, p in trainable.items():

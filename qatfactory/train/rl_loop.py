@@ -515,9 +515,9 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
 
 # ----------------------------------------------------------------------------- report
 def plot_rl(run_dir) -> Optional[Path]:
-    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     recs = read_metrics(run_dir)
     keys = [k for k in ("reward", "correct", "format", "entropy", "rollout_entropy", "aqn/sigma", "clip_high",
                         "completion_len", "eval/accuracy", "eval/entropy") if any(k in x for x in recs)]

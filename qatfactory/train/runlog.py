@@ -100,9 +100,9 @@ def read_metrics(run_dir) -> List[Dict]:
 
 def plot_curves(run_dir) -> List[Path]:
     """PNG plots of the training loss / lr and the eval metrics; returns the written paths."""
-    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; the Agg backend is picked at the first plot)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     recs = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)

@@ -70,7 +70,8 @@ def gather_state(lm: nn.Module, rank: int) -> Tuple[Optional[Dict[str, torch.Ten
 
 def _empty_init():
     try:
-        from transformers.initialization import no_init_weights  # noqa: PLC0415 (heavy: transformers; skips random init: every value is loaded)
+        # skips random init: every value is loaded
+        from transformers.initialization import no_init_weights  # noqa: PLC0415 (heavy: transformers)
         return no_init_weights()
     except ImportError:
         return contextlib.nullcontext()
