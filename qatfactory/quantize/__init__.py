@@ -97,6 +97,5 @@ from .prepare import (  # noqa: F401
     prepare,
 )
 from .search import (  # noqa: F401
-    _ceil_log2,
     search_scales,
 )
