@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..nn.embedding import QuantEmbedding
@@ -44,11 +45,7 @@ def as_quant_config(cfg) -> QuantConfig:
         return cfg
     if isinstance(cfg, dict):
         return QuantConfig.from_dict(cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:
-        DictConfig = None
-    if DictConfig is not None and isinstance(cfg, DictConfig):
+    if isinstance(cfg, DictConfig):
         obj = OmegaConf.to_object(cfg)
         return obj if isinstance(obj, QuantConfig) else QuantConfig.from_dict(obj)
     raise TypeError(f"prepare: cfg must be a QuantConfig (or a dict / OmegaConf node of one), "

@@ -29,6 +29,7 @@ from .. import _fsutil
 from ..exitcodes import BadInputError
 from . import checkpoint as ckpt
 from .config import RunConfig, to_dict
+from omegaconf import OmegaConf
 
 RUN_RECORD = _fsutil.RUN_RECORD
 
@@ -234,7 +235,6 @@ def _tidy_files(d: Path) -> None:
 
 def _write(d: Path, cfg: RunConfig, world: int, decision: Dict[str, Any]) -> None:
     """Rank 0: the record, config.yaml (never overwritten by a resume with other settings)."""
-    from omegaconf import OmegaConf
     d.mkdir(parents=True, exist_ok=True)
     _tidy_files(d)
     now = to_dict(cfg)

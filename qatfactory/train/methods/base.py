@@ -24,6 +24,8 @@ import torch
 from ... import _fsutil
 from ... import quantize as Q
 from ...distill.losses import lm_loss
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 
@@ -148,8 +150,6 @@ class Method:
             return None
         if self.options_key:
             return getattr(cfg.method, self.options_key)
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
         try:
             node = OmegaConf.merge(OmegaConf.structured(self.options), OmegaConf.create(dict(cfg.method.options or {})))
             return OmegaConf.to_object(node)
