@@ -16,17 +16,16 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format
-from importlib.metadata import PackageNotFoundError, version
-from safetensors.torch import load_file
-from safetensors.torch import save_file
 
 QATFACTORY_JSON = "qatfactory.json"
 

@@ -15,6 +15,7 @@ rendered for a system + user message with the generation prompt.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,8 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
 import gguf
-import importlib.util
 
 PROBES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -43,9 +43,24 @@ from qatfactory.formats.layouts import Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
-from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
-                   declared_layout, module_of, register_exporter, save_sharded, spec_of, ties_embeddings,
-                   tied_duplicates, write_json, EMBED, LM_HEAD)
+from .base import (
+    EMBED,
+    LM_HEAD,
+    Exporter,
+    ExportError,
+    act_decode_scale,
+    activation_mode,
+    check_fused_scales,
+    copy_source_files,
+    declared_layout,
+    module_of,
+    register_exporter,
+    save_sharded,
+    spec_of,
+    tied_duplicates,
+    ties_embeddings,
+    write_json,
+)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
 # why a checkpoint of this codec family gets no ModelOpt container here: the ModelOpt writer holds the

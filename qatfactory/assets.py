@@ -20,21 +20,22 @@ Everything lands in a cache directory (``$QATFACTORY_CACHE``, default
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
 from . import _rdata
-import io
-import tarfile
 
 
 @dataclass(frozen=True)

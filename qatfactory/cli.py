@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import runpy
 import sys
 from pathlib import Path
 from typing import List, Optional
+
 from . import exitcodes as X
 from .exitcodes import BadInputError, UsageError
-import runpy
 
 USAGE = __doc__
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
 from qatfactory import exitcodes as X
 from qatfactory._fsutil import check_replaceable
-import os
 
 
 def load_converted(student: str, source_dir: Optional[str] = None):

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import List, Optional
-from .cli_export import _print_result, verdict_code
+
 from qatfactory import exitcodes as X
 from qatfactory._fsutil import check_replaceable
+
+from .cli_export import _print_result, verdict_code
 
 
 def _parser() -> argparse.ArgumentParser:

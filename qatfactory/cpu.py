@@ -22,9 +22,11 @@ import platform
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
+
+import torch
+
 from ._fsutil import write_text_atomic
 from .assets import cache_dir
-import torch
 
 DTYPES = ("bfloat16", "float32")
 

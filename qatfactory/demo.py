@@ -34,28 +34,28 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import assets, cpu
+from . import exitcodes as X
+from . import llama_compare as LC
+from . import llama_tools as LT
 from . import quantize as Q
+from .cli import _run_error_code
 from .demo_report import _fmt_s, _verdict, make_plots, report_markdown, summary_lines  # noqa: F401 (re-exported)
 from .distill.losses import LiveTeacherOut, LossConfig
 from .distill.teachers import LiveTeacher
+from .formats import get_format
+from .nn.fake_quant import takes_imatrix
 from .ship import ship
 from .train.config import ModelConfig, RunConfig, compose, to_overrides, validate
 from .train.data import DataConfig, load_data
 from .train.engine import StudentLM, evaluate
 from .train.engine import run as train
-from . import exitcodes as X
-from . import llama_compare as LC
-from . import llama_tools as LT
-from .cli import _run_error_code
-from .formats import get_format
-from .nn.fake_quant import takes_imatrix
-from importlib import metadata
 
 
 @dataclass(frozen=True)

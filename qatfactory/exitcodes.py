@@ -14,6 +14,7 @@
 import os
 import sys
 import traceback
+
 OK = 0
 FAIL = 1
 INCOMPLETE = 2

@@ -30,18 +30,18 @@ import os
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .exitcodes import BadInputError, UsageError
-from . import _fsutil
-from . import assets
-from . import exitcodes as X
-from .assets import sha256_file
-from importlib.metadata import version
-from tqdm import tqdm
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from . import _fsutil, assets
+from . import exitcodes as X
+from .assets import sha256_file
+from .exitcodes import BadInputError, UsageError
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_tasks"
 OFFLINE_TASKS = ("qf_gsm8k", "qf_wiki_ppl", "qf_persuasion_ppl")

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import llama_tools as LT
 import gguf
+
+from . import llama_tools as LT
 
 # llama-quantize's way to write each GGUF family for a dense model (see recipes/format/*_gguf.yaml)
 FP4_OVERRIDES = {"mxfp4": ("attn_(q|k|v|output)=mxfp4", "ffn_(gate|up|down)=mxfp4"),

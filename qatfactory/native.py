@@ -36,17 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+import gguf
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil
 from .exitcodes import BadInputError, CorruptFileError, UnsafeFileError
 from .formats import ConvertedModel, PackedTensor, get_format
-from .nn.scale_adapter import ScaleAdapterLinear, modules as adapter_modules
-from safetensors import safe_open
-from safetensors.torch import save_file
-import gguf
-import numpy as np
+from .nn.scale_adapter import ScaleAdapterLinear
+from .nn.scale_adapter import modules as adapter_modules
 
 INDEX = "model.safetensors.index.json"
 SCALE_FILE_KIND = "qatfactory_scales"

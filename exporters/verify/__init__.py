@@ -29,8 +29,8 @@ from typing import List, Optional
 from qatfactory.formats import ConvertedModel
 
 from .common import RECORD, default_prompt, read_json
-from .result import FAIL, INCOMPLETE, PASS, Check, Malformed, Missing, VerifyResult  # noqa: F401
 from .gguf import verify_gguf
+from .result import FAIL, INCOMPLETE, PASS, Check, Malformed, Missing, VerifyResult  # noqa: F401
 from .safetensors import verify_safetensors
 
 ENGINES = {"vllm": "safetensors", "sglang": "safetensors", "llama_cpp": "gguf"}

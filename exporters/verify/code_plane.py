@@ -31,8 +31,8 @@ import torch
 from qatfactory.formats import ConvertedModel
 
 from .common import compare_values, inside, names_sample, read_json, same_bits, student_logits
-from .result import FAIL, Malformed, Missing, VerifyResult, need
 from .gguf import Names, find_gguf, parse_ggml_blocks
+from .result import FAIL, Malformed, Missing, VerifyResult, need
 from .safetensors import detect_flavour, load_tensors
 
 

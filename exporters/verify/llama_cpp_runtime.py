@@ -52,12 +52,12 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from qatfactory.formats import ConvertedModel
 
 from .common import model_from_state_dict, nonfinite, student_weights, tied
 from .result import FAIL, Missing, VerifyResult
-import torch.nn.functional as F
 
 KL_RATIO = 0.1      # KL(reference || llama.cpp) allowed, as a fraction of the Q8 activation effect's KL ...
 AMB_FACTOR = 2.0    # ... or as a multiple of the KL of tipping every rounding that sits within float noise

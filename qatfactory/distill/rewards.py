@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
 from .. import assets
 
 TASKS = ("say7", "arith", "gsm8k")

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from .rewards import TASKS, ANSWER_FORMATS
+
+from .rewards import ANSWER_FORMATS, TASKS
 
 LOSS_NORMS = ("bnpo", "sequence", "dr_grpo")
 OLD_LOGPROBS = ("recompute", "rollout")

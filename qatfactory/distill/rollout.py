@@ -18,11 +18,11 @@ top-p (logits / temperature), as TRL's GRPO uses for its policy: ``old_logprobs=
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
-import inspect
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,11 +29,10 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-
-from .losses import LiveTeacherOut, TopKTeacherOut
-from .._fsutil import load_safetensors
 from safetensors.torch import save_file
-import re
+
+from .._fsutil import load_safetensors
+from .losses import LiveTeacherOut, TopKTeacherOut
 
 
 def split_causal_lm(model: nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 from qatfactory import assets
 
 

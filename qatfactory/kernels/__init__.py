@@ -40,12 +40,11 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..formats import get_format
+from ..formats import codecs as C
+from ..formats import get_format, list_formats
 from ..formats.layouts import ScaleRule, TieRule
 from ..formats.spec import PackedTensor
 from . import loader
-from ..formats import codecs as C
-from ..formats import list_formats
 
 log = logging.getLogger("qatfactory.kernels")
 

@@ -33,11 +33,11 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from .linear import QuantLinear
 from .lora import LoRA
-from safetensors.torch import save_file
 
 
 def _is_linear(m: nn.Module) -> bool:

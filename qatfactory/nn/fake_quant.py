@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..formats import get_format
-from ..formats import codecs as C
-from ..formats.scale_search import GRID_CODECS as _GRID_CODECS, scale_grid   # the one-byte block-scale grids
 from .. import kernels
-from ..formats import list_formats
+from ..formats import codecs as C
+from ..formats import get_format, list_formats
+from ..formats.scale_search import GRID_CODECS as _GRID_CODECS  # the one-byte block-scale grids
+from ..formats.scale_search import scale_grid
 
 E2M1_QMAX = 6.0
 

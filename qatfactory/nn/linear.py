@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from . import step_cache, weight_cache
-from .fake_quant import ActQuantizer
+from .fake_quant import ActQuantizer, quant_kwargs
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
-from .. import kernels
-from .fake_quant import quant_kwargs
 
 
 class QuantLinear(nn.Module):

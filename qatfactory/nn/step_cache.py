@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Callable, List, Optional
+
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _STATE = {"enabled": 0, "epoch": 0, "hooked": False}

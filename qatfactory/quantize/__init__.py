@@ -34,7 +34,6 @@ from .config import (  # noqa: F401
     DEFAULT_EXCLUDE,
     NO_ACT,
     POLICY_TARGETS,
-    presets,
     SCALE_STRATEGIES,
     STE_MODES,
     LoRAConfig,
@@ -45,6 +44,7 @@ from .config import (  # noqa: F401
     _check_pattern,
     _check_weight_format,
     match,
+    presets,
 )
 from .convert import (  # noqa: F401
     _hf_tensors,

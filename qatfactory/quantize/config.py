@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .._recipes import format_recipe, format_recipes
+from ..formats import get_format, list_formats
+from ..formats.kv import list_kv_formats
 from ..formats.scale_search import SEARCH_METHODS
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
-from ..formats import get_format, list_formats
-from ..formats.kv import list_kv_formats
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
 

@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from ..formats import ConvertedModel
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding
 from ..nn.experts import (
@@ -23,7 +24,6 @@ from .modules import (
     _quant_experts,
     _quant_linears,
 )
-from ..formats import ConvertedModel
 
 
 def _hf_tensors(model):

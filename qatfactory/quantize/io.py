@@ -6,14 +6,14 @@ import os
 from typing import Dict, List, Optional
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
-from .config import QuantConfig
-from .prepare import prepare
 from .. import _fsutil
 from .._fsutil import load_safetensors
 from ..exitcodes import CorruptFileError
-from safetensors.torch import save_file
+from .config import QuantConfig
+from .prepare import prepare
 
 QUANT_FILE = "qatfactory_quant.json"
 

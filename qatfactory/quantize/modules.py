@@ -8,6 +8,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ..formats import list_formats
+from ..formats.policy import ggml_policy
 from ..nn.embedding import QuantEmbedding
 from ..nn.experts import (
     QuantExpertsMixin,
@@ -22,8 +24,6 @@ from ..nn.lora import LoRA
 from ..nn.lowbit import LowBitQuantizer
 from .config import POLICY_TARGETS, QuantConfig, match
 from .search import search_scales
-from ..formats import list_formats
-from ..formats.policy import ggml_policy
 
 # children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))

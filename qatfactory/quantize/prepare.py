@@ -1,8 +1,11 @@
 """prepare: swap a Hugging Face model's Linear / 3-D expert / embedding modules for fake-quant ones."""
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
+from ..formats import get_format, list_formats
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding, tie_head
 from ..nn.experts import (
@@ -28,8 +31,6 @@ from .modules import (
     _tied_lm_head,
     as_quant_config,
 )
-from ..formats import get_format, list_formats
-import warnings
 
 
 def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:

@@ -21,7 +21,9 @@ the file and what it would have imported. The RNG files are safetensors.
 """
 from __future__ import annotations
 
+import importlib
 import json
+import pickle
 import random
 import re
 import shutil
@@ -31,13 +33,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import _fsutil
 from ..exitcodes import BadInputError, CorruptFileError, UnsafeFileError
-from safetensors import safe_open
-from safetensors.torch import save_file
-import importlib
-import pickle
 
 DS_TAG = "ds"
 _STEP_RE = re.compile(r"^step-(\d+)$")

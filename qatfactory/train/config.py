@@ -15,23 +15,27 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .._recipes import recipes_dir
-from ..distill.losses import LossConfig
-from ..distill.rl import RLConfig
-from ..nn.scale_adapter import ScaleAdapterConfig
-from ..quantize import QuantConfig
-from . import methods as M
-from .data import DataConfig
-from .methods import NO_QUANT  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
-from .methods import quant_start
-from ..exitcodes import UsageError
-from hydra import compose as hcompose, initialize_config_dir
+from hydra import compose as hcompose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from .._recipes import recipes_dir
+from ..distill.losses import LossConfig
+from ..distill.rl import RLConfig
+from ..exitcodes import UsageError
+from ..nn.scale_adapter import ScaleAdapterConfig
+from ..quantize import QuantConfig
+from . import methods as M
+from .data import DataConfig
+from .methods import (
+    NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
+    quant_start,
+)
 
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")

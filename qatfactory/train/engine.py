@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import _fsutil
+from .. import _fsutil, assets
+from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
 from ..nn import step_cache
@@ -49,10 +50,8 @@ from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
-from .stream_export import cpu_student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
-from .. import assets
-from .. import quantize as Q
+from .stream_export import cpu_student
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import _fsutil
 from ..exitcodes import BadInputError, CorruptFileError
 from . import checkpoint as C
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 GATHERED = "gathered"
 INDEX = "gathered.json"

@@ -53,18 +53,27 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .. import quantize as Q
 from ..distill import rl as RL
 from ..distill.rewards import Task, make_task
 from ..distill.rollout import SamplingConfig, generate
 from ..nn import adapter as AD
+from ..nn.noise import AQN
+from . import rundir
 from .config import NO_QUANT, RunConfig, validate
 from .data import _encode, load_tokenizer  # noqa: F401  (load_tokenizer re-exported for benchmarks)
+from .engine import (
+    _barrier,
+    _rank_world,
+    _resolve_device,
+    build_model,
+    ds_config,
+    init_distributed,
+    lr_lambda,
+    seed_all,
+)
 from .methods import Student
 from .runlog import RunLogger, memory_gb, read_metrics
-from . import rundir
-from .. import quantize as Q
-from ..nn.noise import AQN
-from .engine import _barrier, _rank_world, _resolve_device, build_model, ds_config, init_distributed, lr_lambda, seed_all
 
 RL_METHODS = ("grpo", "dapo")
 

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from .. import _fsutil
 from ..exitcodes import BadInputError
 from . import checkpoint as ckpt
 from .config import RunConfig, to_dict
-from omegaconf import OmegaConf
 
 RUN_RECORD = _fsutil.RUN_RECORD
 

@@ -32,17 +32,27 @@ from typing import Any, Dict, List
 
 import torch
 
+from .. import _fsutil
 from .. import native as NT
 from ..exitcodes import BadInputError, UsageError
 from ..nn import scale_adapter as SA
+from . import rundir
 from .config import RunConfig, validate
-from .data import Order, load_data, rank_batch
+from .data import Order, load_data, load_tokenizer, rank_batch
+from .engine import (
+    StudentLM,
+    _barrier,
+    _rank_world,
+    _resolve_device,
+    ds_config,
+    eval_count,
+    evaluate,
+    init_distributed,
+    lr_lambda,
+    seed_all,
+)
 from .methods import Student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
-from . import rundir
-from .. import _fsutil
-from .data import load_tokenizer
-from .engine import StudentLM, _barrier, _rank_world, _resolve_device, ds_config, eval_count, evaluate, init_distributed, lr_lambda, seed_all
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

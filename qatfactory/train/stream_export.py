@@ -16,12 +16,13 @@ else the export stops with the names.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+
 from ..quantize import prepare
-import contextlib
 
 
 def _units(lm: nn.Module) -> List[Tuple[str, List[Tuple[str, nn.Parameter]]]]:

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ... import _fsutil
 from ... import quantize as Q
 from ...distill.losses import lm_loss
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 
