@@ -11,7 +11,7 @@ import torch
 from qatfactory.formats import get_format, list_formats
 from qatfactory.formats.scale_search import SEARCH_METHODS, scale_grid, search_block_scales
 
-GRID = [n for n in list_formats() if scale_grid(get_format(n))]
+GRID = [n for n in list_formats() if scale_grid(get_format(n)) and get_format(n).spec.role != "activation"]
 
 
 def _kw(f, amax):
