@@ -424,7 +424,6 @@ def save_sharded(tensors: Dict[str, torch.Tensor], out: Path, max_shard_bytes: i
                  metadata: Optional[Dict[str, str]] = None) -> List[str]:
     """safetensors shards ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
     (one ``model.safetensors`` when everything fits in one shard), in name order."""
-
     meta = {"format": "pt", **(metadata or {})}
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -454,7 +453,6 @@ def save_sharded(tensors: Dict[str, torch.Tensor], out: Path, max_shard_bytes: i
 
 def load_safetensors_dir(d) -> Dict[str, torch.Tensor]:
     """All tensors of an export directory (sharded or not), read with safetensors itself."""
-
     d = Path(d)
     idx = d / "model.safetensors.index.json"
     if idx.is_file():

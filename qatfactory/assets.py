@@ -157,7 +157,6 @@ def _ar_members(deb: Path) -> Dict[str, bytes]:
 
 def _fetch_deb(name: str, quiet: bool) -> Path:
     """``apt-get download`` the package once, read its R data, write {novel: text} JSON + provenance."""
-
     a = DEB_ASSETS[name]
     root = cache_dir() / "assets" / name
     dest = root / AUSTEN_FILE

@@ -26,7 +26,6 @@ from qatfactory._fsutil import check_replaceable
 def load_converted(student: str, source_dir: Optional[str] = None):
     """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
     generation config and chat template are copied from)."""
-
     from qatfactory.quantize import convert, load_student  # noqa: PLC0415 (CLI start)
 
     if not os.path.isdir(student):

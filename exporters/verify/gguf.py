@@ -133,7 +133,6 @@ def parse_ggml_blocks(raw: np.ndarray, kind: str, k: int) -> Tuple[np.ndarray, n
 
 def libggml_dequantizer():
     """libggml-python's C dequantizers through ctypes (a required check: Missing when absent)."""
-
     libggml = need("libggml")
     base = os.path.dirname(libggml.__file__)
     cands = sorted(glob.glob(os.path.join(base, "lib*", "libggml-base.so*")))

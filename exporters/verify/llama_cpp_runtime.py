@@ -200,7 +200,6 @@ def emulated_logits(student: ConvertedModel, prompts: List[List[int]], types: Di
                     ) -> Dict[str, Any]:
     """Plain, emulated and tipped logits [prompts, positions, vocab] of the student's model, and
     what was rounded how."""
-
     model = model_from_state_dict(student.config, student_weights(student), eager_experts=True)
     ids = torch.tensor(prompts)
     plain = model(ids).logits.float()

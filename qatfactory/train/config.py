@@ -255,7 +255,6 @@ def _plugin_recipes(overrides: List[str]) -> None:
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
     """Compose recipes/ with command-line style overrides into a validated RunConfig. A bad override
     or value raises exitcodes.UsageError with one line naming the field and what is allowed."""
-
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
