@@ -10,7 +10,7 @@ from qatfactory import assets
 
 
 def _dataset(rows, split="test"):
-    import datasets  # noqa: PLC0415 (optional: datasets, installed with lm-eval)
+    import datasets  # noqa: PLC0415 (optional: datasets)
     return datasets.DatasetDict({split: datasets.Dataset.from_list(list(rows))})
 
 
@@ -41,7 +41,7 @@ def user_file(qf_task: str = "", qf_data_files=None, **_):
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{qf_task}: data_files {p} is not a file")
-    import datasets  # noqa: PLC0415 (optional: datasets, installed with lm-eval)
+    import datasets  # noqa: PLC0415 (optional: datasets)
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
     if kind is None:
         raise ValueError(f"{qf_task}: {p}: allowed file types .jsonl, .json, .parquet")
