@@ -5,8 +5,8 @@ import json
 import os
 from typing import Dict, List, Optional
 
+import safetensors.torch
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from .. import _fsutil
@@ -43,7 +43,9 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         tmp = str(tmp)
         model.config.save_pretrained(tmp)
         state = _student_state(model)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "producer": "qatfactory"})
+        # looked up when called (tests/test_safety_files.py kills the process half-way through this write)
+        safetensors.torch.save_file(state, os.path.join(tmp, "model.safetensors"),
+                                    metadata={"format": "pt", "producer": "qatfactory"})
         dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
