@@ -7,6 +7,6 @@
 Exporters take a :class:`qatfactory.formats.ConvertedModel` (plain data) and import nothing of
 qatfactory but ``formats``.
 """
+from . import llama_cpp, sglang, vllm  # noqa: F401,E402  (registration)
 from .base import EXPORTERS, ExportError, ExportResult, export, list_exporters, read_record  # noqa: F401
-from . import vllm, sglang, llama_cpp  # noqa: F401,E402  (registration)
 from .verify import VerifyResult, verify  # noqa: F401,E402

@@ -16,10 +16,12 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
@@ -353,7 +355,6 @@ def act_decode_scale(act_format: str, amax: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ record
 def _versions() -> Dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
     out = {}
     for pkg in ("qatfactory", "torch", "safetensors", "gguf", "transformers", "compressed-tensors",
                 "nvidia-modelopt"):
@@ -423,8 +424,6 @@ def save_sharded(tensors: Dict[str, torch.Tensor], out: Path, max_shard_bytes: i
                  metadata: Optional[Dict[str, str]] = None) -> List[str]:
     """safetensors shards ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
     (one ``model.safetensors`` when everything fits in one shard), in name order."""
-    from safetensors.torch import save_file
-
     meta = {"format": "pt", **(metadata or {})}
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -454,8 +453,6 @@ def save_sharded(tensors: Dict[str, torch.Tensor], out: Path, max_shard_bytes: i
 
 def load_safetensors_dir(d) -> Dict[str, torch.Tensor]:
     """All tensors of an export directory (sharded or not), read with safetensors itself."""
-    from safetensors.torch import load_file
-
     d = Path(d)
     idx = d / "model.safetensors.index.json"
     if idx.is_file():

@@ -15,6 +15,7 @@ rendered for a system + user message with the generation prompt.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+import gguf
 
 PROBES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -83,12 +86,11 @@ def llama_cpp_tokenize(gguf_path, strings: List[str], timeout: float = 300) -> D
 
 def tokenizer_parity(gguf_path, tokenizer_dir, strings: Optional[List[str]] = None) -> TokenizerParity:
     """Compare llama.cpp's tokenization of the GGUF with transformers' of ``tokenizer_dir``."""
-    import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
         return TokenizerParity("unavailable", "llama-cpp-python is not installed (scripts/llama_cpp_runtime.py "
                                               "ensure builds llama.cpp's runtime and links it into the venv)")
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
         hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     except Exception as e:
         return TokenizerParity("unavailable", f"no Hugging Face tokenizer loads from {tokenizer_dir}: "
@@ -128,7 +130,6 @@ def gate_check(res, gguf_path: Path, tokenizer_dir, run: bool) -> None:
     src = Path(tokenizer_dir) if tokenizer_dir else None
     if src is None or not (src / "tokenizer.json").is_file():
         try:
-            import gguf
             has_vocab = "tokenizer.ggml.tokens" in gguf.GGUFReader(str(gguf_path)).fields
         except Exception:
             has_vocab = True

@@ -108,7 +108,7 @@ def _added_by_template(tok: Dict[str, Any], vocab: Dict[str, int]) -> Tuple[List
 def _probe_special(src: Path) -> Optional[Dict[str, Any]]:
     """What transformers' tokenizer adds around plain text: {"before": [...], "after": [...], ids}."""
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
         tk = AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
     except Exception as e:   # no usable transformers tokenizer: the caller reads tokenizer.json
         return {"error": f"{type(e).__name__}: {e}"}

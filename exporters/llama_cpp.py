@@ -39,19 +39,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import gguf
 import numpy as np
 import torch
-
-import gguf
 
 from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
 from qatfactory.formats.layouts import Codec, GGMLType, GGUFLayout
 
-from .gguf_vocab import write_tokenizer_kv
 from . import kv as KV  # issue 22: the cache type the student was trained for
-from .base import (ExportError, Exporter, activation_mode, act_decode_scale, copy_source_files, declared_layout,
-                   module_of, register_exporter, spec_of, ties_embeddings, tied_duplicates)
+from .base import (
+    Exporter,
+    ExportError,
+    act_decode_scale,
+    activation_mode,
+    copy_source_files,
+    declared_layout,
+    module_of,
+    register_exporter,
+    spec_of,
+    tied_duplicates,
+    ties_embeddings,
+)
+from .gguf_vocab import write_tokenizer_kv
 
 GGUF_NAME = "model.gguf"
 SUPPORTED = ("q4_k, q5_0, q6_k, q8_0, mxfp4_ggml, nvfp4_ggml and the low-bit grids int4_lsq ... binary_sign "

@@ -43,9 +43,24 @@ from qatfactory.formats.layouts import Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
-from .base import (ExportError, Exporter, activation_mode, act_decode_scale, check_fused_scales, copy_source_files,
-                   declared_layout, module_of, register_exporter, save_sharded, spec_of, ties_embeddings,
-                   tied_duplicates, write_json, EMBED, LM_HEAD)
+from .base import (
+    EMBED,
+    LM_HEAD,
+    Exporter,
+    ExportError,
+    act_decode_scale,
+    activation_mode,
+    check_fused_scales,
+    copy_source_files,
+    declared_layout,
+    module_of,
+    register_exporter,
+    save_sharded,
+    spec_of,
+    tied_duplicates,
+    ties_embeddings,
+    write_json,
+)
 
 MODELOPT_PRODUCER_VERSION = "0.47.0"  # the ModelOpt release whose export layout this follows
 # why a checkpoint of this codec family gets no ModelOpt container here: the ModelOpt writer holds the
@@ -321,7 +336,9 @@ def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
 
 def _architectures(model_type):
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+        from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 (heavy: transformers)
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names,
+        )
     except ImportError:  # transformers is an install requirement; keep the export going without it
         return None
     cls = names.get(model_type)

@@ -20,18 +20,22 @@ Everything lands in a cache directory (``$QATFACTORY_CACHE``, default
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from . import _rdata
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,6 @@ def _ar_members(deb: Path) -> Dict[str, bytes]:
 
 def _fetch_deb(name: str, quiet: bool) -> Path:
     """``apt-get download`` the package once, read its R data, write {novel: text} JSON + provenance."""
-    import io
-    import tarfile
-
-    from . import _rdata
     a = DEB_ASSETS[name]
     root = cache_dir() / "assets" / name
     dest = root / AUSTEN_FILE
@@ -231,7 +231,7 @@ TOKENIZER_FIX = 1   # bumped when _restore_pre_tokenizer changes what it writes
 
 
 def _gguf_pre(gguf_path: Path) -> Optional[str]:
-    import gguf
+    import gguf  # noqa: PLC0415 (leaf: stdlib only)
     f = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
     return None if f is None else str(f.contents())
 
@@ -282,8 +282,8 @@ def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: 
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         _check_tokenizer_fix(out, name if name in ASSETS else None)
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 (leaf: stdlib only)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
 
     gguf = fetch(name)
     print(f"[qatfactory] converting {gguf.name} into a local model directory (once, ~1 min) ...", flush=True)
@@ -324,7 +324,7 @@ def prepare_tokenizer_dir(name: str = "smollm2", out: Optional[Path] = None) -> 
     if (out / "tokenizer.json").is_file() and (out / "qatfactory_provenance.json").is_file():
         _check_tokenizer_fix(out, name)
         return out
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
     gguf = fetch(name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     out.parent.mkdir(parents=True, exist_ok=True)

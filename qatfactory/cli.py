@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import runpy
 import sys
 from pathlib import Path
 from typing import List, Optional
+
+from . import exitcodes as X
+from .exitcodes import BadInputError, UsageError
 
 USAGE = __doc__
 
@@ -47,10 +51,9 @@ _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirec
 def _run_error_code(e: BaseException) -> int:
     """The exit code of an error raised inside a run: the exception's own (exitcodes), bad files
     and refused models -> BAD_INPUT, anything else -> RUN_FAILED."""
-    from . import exitcodes as X
     if getattr(e, "exit_code", None) is not None or isinstance(e, KeyboardInterrupt):
         return X.code_for(e)
-    from .quantize import CoverageError
+    from .quantize import CoverageError  # noqa: PLC0415 (CLI start)
     if isinstance(e, _FILE_ERRORS + (CoverageError,)):
         return X.BAD_INPUT
     return X.RUN_FAILED
@@ -58,8 +61,7 @@ def _run_error_code(e: BaseException) -> int:
 
 def _fail(prog: str, e: BaseException, code: int) -> int:
     """One line on stderr (every rank that failed; the rank named when there are several)."""
-    from . import exitcodes as X
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (CLI start)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         prog = f"{prog} [rank {dist.get_rank()}]"
     e.exit_code = code if getattr(e, "exit_code", None) is None else e.exit_code
@@ -67,7 +69,6 @@ def _fail(prog: str, e: BaseException, code: int) -> int:
 
 
 def _gate_code(summary) -> int:
-    from . import exitcodes as X
     v = (summary or {}).get("verify")
     if not v or v.get("verdict") == "PASS":
         return X.OK
@@ -77,10 +78,9 @@ def _gate_code(summary) -> int:
 def train_main(argv: List[str]) -> int:
     """Exit codes (qatfactory.exitcodes): 0 done (and the export's gate PASSed), 1 the gate FAILed,
     2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
-    from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
     if any(a in ("-h", "--help") for a in argv):
-        from .train.config import recipes_dir
+        from .train.config import recipes_dir  # noqa: PLC0415 (CLI start)
         r = recipes_dir()
         print("usage: qatfactory train [group=option ...] [key=value ...]\n\nrecipe groups:")
         for g in sorted(p for p in r.iterdir() if p.is_dir()):
@@ -92,13 +92,13 @@ def train_main(argv: List[str]) -> int:
               file=sys.stderr)
         return X.USAGE
     try:
-        from .train.config import compose
+        from .train.config import compose  # noqa: PLC0415 (CLI start)
         cfg = compose(argv)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
         # the trainer returns its student; this face ships it (export + the parity gate)
-        from .ship import train_and_ship
+        from .ship import train_and_ship  # noqa: PLC0415 (CLI start)
         s = train_and_ship(cfg)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
@@ -116,7 +116,7 @@ def train_main(argv: List[str]) -> int:
 def _shutdown(engine) -> None:
     """Tear the engine and the process group down before the interpreter exits (leaving them to
     exit-time destructors sometimes aborted a launcher rank after a successful run)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (CLI start)
     if engine is not None and hasattr(engine, "destroy"):
         engine.destroy()
     # one process keeps its group: a later run in the same interpreter (tests, notebooks) reuses it
@@ -129,7 +129,6 @@ def eval_main(argv: List[str]) -> int:
     """``qatfactory eval --checkpoint RUN/checkpoints/step-N [--out DIR] [key=value ...]``: restore the
     checkpoint and evaluate it. The result goes to ``--out`` or to the run directory that holds the
     checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
-    from . import exitcodes as X
     argv = _strip_launcher_args(list(argv))
     # ---- issue 21: lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
     if argv and not argv[0].startswith("-") and "--checkpoint" not in argv:
@@ -162,7 +161,7 @@ def eval_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001
         return X.report("qatfactory eval", e, _run_error_code(e))
     try:
-        from .train.engine import run
+        from .train.engine import run  # noqa: PLC0415 (CLI start)
         s = run(cfg, eval_only=True)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
@@ -176,11 +175,10 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     """The RunConfig to evaluate ``path``: the checkpoint's own settings (trainer_state.json), the
     command-line overrides on top, run_dir from --out or the checkpoint's location. The input paths
     the settings name (model, data, teacher) are read only and printed; nothing is written there."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
 
-    from .exitcodes import BadInputError, UsageError
-    from .train import checkpoint as ckpt
-    from .train.config import RunConfig, validate
+    from .train import checkpoint as ckpt  # noqa: PLC0415 (CLI start)
+    from .train.config import RunConfig, validate  # noqa: PLC0415 (CLI start)
     why = ckpt.incomplete(path) if path.is_dir() else f"{path} is not a directory"
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
@@ -221,7 +219,6 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:
-    from . import exitcodes as X
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -232,13 +229,11 @@ def _delegate(module: str, what: str, argv: List[str]) -> int:
 
 
 def bench_main(argv: List[str]) -> int:
-    from . import exitcodes as X
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
     if not script.exists():
         print(f"qatfactory bench: BAD_INPUT: {script} not found (benchmarks ship with the source tree)",
               file=sys.stderr)
         return X.BAD_INPUT
-    import runpy
     sys.argv = [str(script)] + list(argv)
     runpy.run_path(str(script), run_name="__main__")
     return 0
@@ -258,7 +253,6 @@ COMMANDS = {
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: qatfactory.exitcodes (README, reliability)."""
-    from . import exitcodes as X
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

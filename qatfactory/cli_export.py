@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+from qatfactory import exitcodes as X
+from qatfactory._fsutil import check_replaceable
 
 
 def load_converted(student: str, source_dir: Optional[str] = None):
     """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
     generation config and chat template are copied from)."""
-    import os
-
-    from qatfactory.quantize import convert, load_student
+    from qatfactory.quantize import convert, load_student  # noqa: PLC0415 (CLI start)
 
     if not os.path.isdir(student):
         raise FileNotFoundError(f"student directory {student!r} does not exist (expected a save_student output)")
@@ -40,7 +42,7 @@ def load_converted(student: str, source_dir: Optional[str] = None):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from qatfactory.exporters import list_exporters
+    from qatfactory.exporters import list_exporters  # noqa: PLC0415 (CLI start)
 
     p = argparse.ArgumentParser(prog="qatfactory", description="export a trained student / verify an export")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -89,7 +91,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Exit codes (qatfactory.exitcodes): 0 success / parity PASS, 1 parity FAIL, 2 INCOMPLETE,
     3 a bad command line, 4 refused input (missing or damaged files, an output that is not ours to
     replace, a combination the engine cannot load), 5 anything else; the reason on stderr, one line."""
-    from qatfactory import exitcodes as X
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:      # argparse: --help exits 0, a bad command line 2 -> USAGE
@@ -106,16 +107,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def verdict_code(res) -> int:
-    from qatfactory import exitcodes as X
     return {"PASS": X.OK, "FAIL": X.FAIL, "INCOMPLETE": X.INCOMPLETE}[res.verdict]
 
 
 def _run(args) -> int:
-    from qatfactory.exporters import verify
-    from qatfactory.ship import ship
+    from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
+    from qatfactory.ship import ship  # noqa: PLC0415 (CLI start)
 
     if args.cmd == "export":
-        from qatfactory._fsutil import check_replaceable
         # refused before the student is even loaded: an output that is not ours, or that is (or
         # holds) the student the export is made from
         check_replaceable(args.out, ("export",), "export", [args.student, args.source_dir])
@@ -137,7 +136,6 @@ def _run(args) -> int:
                       f"inside); do not serve it")
             return verdict_code(r.report)
         return 0
-    import os
     if not os.path.isdir(args.export_dir):
         raise FileNotFoundError(f"export directory {args.export_dir!r} does not exist")
     cm = load_converted(args.against, args.source_dir)

@@ -18,6 +18,11 @@ import argparse
 import sys
 from typing import List, Optional
 
+from qatfactory import exitcodes as X
+from qatfactory._fsutil import check_replaceable
+
+from .cli_export import _print_result, verdict_code
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qatfactory scales", description="scale files of method=scale_adapter")
@@ -48,9 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _gate(out, ck, cm, args) -> int:
-    from qatfactory.exporters import verify
-    from qatfactory.exporters.verify.code_plane import check_code_plane
-    from .cli_export import _print_result, verdict_code
+    from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
+    from qatfactory.exporters.verify.code_plane import check_code_plane  # noqa: PLC0415 (CLI start)
     res = verify(out, cm, logits=not getattr(args, "no_logits", False))
     check_code_plane(res, out, ck.path, cm)
     _print_result(res, getattr(args, "quiet", False))
@@ -58,7 +62,7 @@ def _gate(out, ck, cm, args) -> int:
 
 
 def _run(args) -> int:
-    from . import native as N
+    from . import native as N  # noqa: PLC0415 (CLI start)
     if args.cmd == "extract":
         ck = N.read_native(args.base)
         meta = N.base_scale_file(ck, args.out)
@@ -69,8 +73,7 @@ def _run(args) -> int:
     tensors, meta = N.load_scale_file(args.scales, ck)
     cm = N.converted_with_scales(ck, tensors, meta.get("format") or None)
     if args.cmd == "export":
-        from qatfactory._fsutil import check_replaceable
-        from qatfactory.exporters import export
+        from qatfactory.exporters import export  # noqa: PLC0415 (CLI start)
         check_replaceable(args.out, ("export",), "export", [args.base])
         r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force)
         print(f"exported {r.engine}/{r.flavour} -> {r.path} (codes of {ck.path}, scales of {args.scales})")
@@ -84,7 +87,6 @@ def _run(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from qatfactory import exitcodes as X
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:

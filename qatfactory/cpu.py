@@ -23,6 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+
+from ._fsutil import write_text_atomic
+from .assets import cache_dir
+
 DTYPES = ("bfloat16", "float32")
 
 
@@ -50,7 +55,6 @@ def native_bf16(flags: Optional[set] = None) -> bool:
 def matmul_gflops(dtype_name: str, m: int = 256, k: int = 576, n: int = 1536, seconds: float = 0.12) -> float:
     """GFLOP/s of one [m,k]x[k,n] matmul in ``dtype_name`` with the current thread setting (the best
     of repeated runs for ``seconds``)."""
-    import torch
     dt = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(dt)
@@ -67,7 +71,6 @@ def matmul_gflops(dtype_name: str, m: int = 256, k: int = 576, n: int = 1536, se
 
 
 def _cache_file() -> Path:
-    from .assets import cache_dir
     return cache_dir() / "cpu-compute-dtype.json"
 
 
@@ -83,7 +86,6 @@ def compute_dtype(device: str = "cpu", override: Optional[str] = None, cache: bo
         return {"dtype": override, "why": "asked for (--dtype / QATFACTORY_DTYPE)"}
     if device != "cpu":
         return {"dtype": "bfloat16", "why": f"{device}: bf16 tensor cores"}
-    import torch
     model, flags = _cpuinfo()
     key = hashlib.sha256(json.dumps([model, sorted(flags), torch.__version__]).encode()).hexdigest()[:16]
     p = _cache_file()
@@ -102,7 +104,6 @@ def compute_dtype(device: str = "cpu", override: Optional[str] = None, cache: bo
                 + ("" if dtype == "bfloat16" else ": bf16 is emulated on this CPU, compute in fp32")}
     if cache:
         try:
-            from ._fsutil import write_text_atomic
             p.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(p, json.dumps(d, indent=1))
         except OSError:
@@ -142,7 +143,6 @@ def _busy_cores(sample_s: float = 0.5) -> Tuple[float, str]:
 def choose_threads(apply: bool = True) -> Dict[str, Any]:
     """{"threads": n, "why": ...}: the user's OMP_NUM_THREADS, else the cores of our affinity mask
     that other processes leave free (at least one); sets torch's intra-op threads when ``apply``."""
-    import torch
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env = os.environ.get("OMP_NUM_THREADS")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -34,16 +34,23 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import assets, cpu
+from . import exitcodes as X
+from . import llama_compare as LC
+from . import llama_tools as LT
 from . import quantize as Q
+from .cli import _run_error_code
 from .demo_report import _fmt_s, _verdict, make_plots, report_markdown, summary_lines  # noqa: F401 (re-exported)
 from .distill.losses import LiveTeacherOut, LossConfig
 from .distill.teachers import LiveTeacher
+from .formats import get_format
+from .nn.fake_quant import takes_imatrix
 from .ship import ship
 from .train.config import ModelConfig, RunConfig, compose, to_overrides, validate
 from .train.data import DataConfig, load_data
@@ -167,7 +174,6 @@ def _doc_lengths(tok, docs: List[str]) -> List[int]:
 def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
     """Write the calibration+training and held-out files (JSONL ``{"text"}``) from the seeded
     Wikipedia split, just large enough for the run; cached by (seed, sizes, tokenizer)."""
-    from . import assets
     splits = assets.wiki_splits(s.seed)
     need_train = (s.steps * s.micro_batch + s.calib_samples) * s.seq_len
     need_eval = s.eval_samples * s.seq_len
@@ -369,10 +375,6 @@ def fake_quant_seconds(model, preset: str) -> float:
     (a policy such as Q4_K_M gives different layers different types). ggml types are timed with an
     importance matrix, as calibration gives them one and their imatrix search costs ~2.5x the plain
     one (Q4_K_M on SmolLM2: 14.4 s vs 5.6 s per forward)."""
-    import torch
-    from . import quantize as Q
-    from .formats import get_format
-    from .nn.fake_quant import takes_imatrix
     qcfg = Q.QuantConfig.preset(preset)
     groups: Dict[Tuple[str, Tuple[int, ...]], List[torch.nn.Linear]] = {}
     for name, mod in model.named_modules():
@@ -434,7 +436,7 @@ def _estimate(s: Settings, fwd_s: float, eval_batch: int, fq_s: Dict[str, float]
 
 def run_demo(s: Settings, model_dir: Optional[Path], out: Path, verify_exports: bool = True,
              device: str = "auto", llama_cpp: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
 
     t_start = time.time()
     torch.manual_seed(s.seed)
@@ -634,8 +636,6 @@ def llama_cpp_numbers(results: Dict[str, Any], model_dir: Path, data: Dict[str, 
                       s: Settings, mode: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
     """llama.cpp's own held-out KL / perplexity of each GGUF export (qatfactory/llama_compare.py), or why
     they were not measured; with vs_llama_quantize also llama-quantize's files for the same families."""
-    from . import llama_compare as LC
-    from . import llama_tools as LT
     ggufs = [(k, r, e) for k, r in results["targets"].items() for e in r["exports"]
              if e["engine"] == "llama_cpp" and e.get("ok") is not False]
     if mode == "off":
@@ -692,19 +692,17 @@ def _write_json(p: Path, obj: Any) -> None:
 
 
 def _environment() -> Dict[str, str]:
-    import importlib.metadata as md
     env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
     for pkg in ("torch", "transformers", "deepspeed", "gguf", "compressed-tensors", "safetensors"):
         try:
-            env[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
             pass
     return env
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from . import exitcodes as X
     try:
         args = parse_args(argv)
     except SystemExit as e:
@@ -725,7 +723,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = run_demo(s, Path(args.model) if args.model else None, out, verify_exports=not args.no_verify,
                            device=args.device, llama_cpp=args.llama_cpp, vs_llama_quantize=args.vs_llama_quantize)
     except Exception as e:  # noqa: BLE001 - one line and an exit code (QATFACTORY_DEBUG=1: the traceback)
-        from .cli import _run_error_code
         return X.report("qatfactory demo", e, _run_error_code(e))
     print()
     for line in summary_lines(results):

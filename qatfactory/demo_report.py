@@ -14,9 +14,9 @@ def _fmt_s(s: float) -> str:
 
 
 def make_plots(results: Dict[str, Any], out: Path) -> List[Path]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     pdir = out / "plots"
     pdir.mkdir(exist_ok=True)
     keys = list(results["targets"])

@@ -11,6 +11,10 @@
     5  RUN_FAILED   training or evaluation stopped on an error inside the run (the message names it)
   130  INTERRUPTED  Ctrl-C
 """
+import os
+import sys
+import traceback
+
 OK = 0
 FAIL = 1
 INCOMPLETE = 2
@@ -65,7 +69,6 @@ def code_for(exc: BaseException, default: int = RUN_FAILED) -> int:
 
 
 def debug() -> bool:
-    import os
     return os.environ.get("QATFACTORY_DEBUG", "") not in ("", "0")
 
 
@@ -81,8 +84,6 @@ def one_line(exc: BaseException) -> str:
 def report(prog: str, exc: BaseException, default: int = RUN_FAILED) -> int:
     """Print ``prog: NAME: Type: message`` on stderr (the traceback too under QATFACTORY_DEBUG=1)
     and return the exit code."""
-    import sys
-    import traceback
     code = code_for(exc, default)
     name = {c: n for c, n, _ in TABLE}.get(code, str(code))
     if debug():

@@ -30,9 +30,17 @@ import os
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from . import _fsutil, assets
+from . import exitcodes as X
+from .assets import sha256_file
 from .exitcodes import BadInputError, UsageError
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_tasks"
@@ -128,7 +136,7 @@ def kind_of(target: Path) -> str:
 
 
 def load_tokenizer(target: Path, opts: Dict[str, str]):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
     cand = Path(opts["tokenizer"]) if "tokenizer" in opts else (target if target.is_dir() else target.parent)
     if not ((cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
         raise BadInputError(f"qatfactory eval: no tokenizer in {cand}; give tokenizer=DIR (the model directory the "
@@ -145,7 +153,7 @@ def prefix_id(tok) -> int:
 
 
 def build_lm(target: Path, kind: str, tok, opts: Dict[str, str]):
-    import torch
+    import torch  # noqa: PLC0415 (CLI start)
     device = opts.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "gguf":
         path = target if target.is_file() else target / GGUF_NAME
@@ -156,13 +164,13 @@ def build_lm(target: Path, kind: str, tok, opts: Dict[str, str]):
     if dt not in dtypes:
         raise UsageError(f"qatfactory eval: dtype={dt!r}; allowed: {list(dtypes)}")
     if kind == "student":
-        from .quantize import load_student
+        from .quantize import load_student  # noqa: PLC0415 (CLI start)
         model = load_student(str(target), dtype=dtypes[dt])
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtypes[dt])
     model.to(device).eval()
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 (heavy: HFLM loads torch, transformers, accelerate)
     ctx = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=_int(opts, "batch_size", 1),
               max_length=_int(opts, "max_length", min(ctx, 2048)), prefix_token_id=prefix_id(tok),
@@ -222,12 +230,7 @@ for line in sys.stdin:
 """
 
 
-def _lm_base():
-    from lm_eval.api.model import TemplateLM
-    return TemplateLM
-
-
-class LlamaCppLM(_lm_base()):
+class LlamaCppLM(TemplateLM):
     """lm-eval's LM interface on llama.cpp's runtime. Tokens come from the HF tokenizer; llama.cpp computes the
     logits (greedy decoding for generate_until, log-softmax in float64). Each request is one llama.cpp eval
     of at most ``max_length`` tokens (longer inputs keep their last max_length tokens, as HFLM does).
@@ -280,7 +283,6 @@ class LlamaCppLM(_lm_base()):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
-        from tqdm import tqdm
         out = []
         for _, ctx, cont in tqdm(requests, disable=disable_tqdm, desc="llama.cpp loglikelihood"):
             # the last max_length + 1 tokens: max_length inputs predicting the continuation (as HFLM cuts them)
@@ -290,7 +292,6 @@ class LlamaCppLM(_lm_base()):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
         res = []
         for req in requests:
             (text,) = req.args
@@ -302,7 +303,6 @@ class LlamaCppLM(_lm_base()):
         return res
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
-        from tqdm import tqdm
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="llama.cpp generate"):
             ctx, kw = req.args
@@ -325,7 +325,7 @@ class LlamaCppLM(_lm_base()):
 
 # ----------------------------------------------------------------------------- the command
 def task_names(include: List[str], hub: bool) -> List[str]:
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 (heavy: lm_eval.tasks loads datasets)
     tm = TaskManager(include_path=[str(TASK_DIR)] + include, include_defaults=hub)
     return sorted(tm.all_tasks)
 
@@ -343,9 +343,9 @@ def run(argv: List[str]) -> Dict[str, Any]:
             raise BadInputError(f"qatfactory eval: include={p}: not a directory of task YAMLs")
     hub = _bool(opts, "hub")
     try:
-        import lm_eval  # noqa: F401
-        from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
+        import lm_eval  # noqa: F401,PLC0415 (heavy: lm_eval's evaluator loads torch, datasets)
+        from lm_eval import simple_evaluate  # noqa: PLC0415 (heavy: lm_eval's evaluator loads torch, datasets)
+        from lm_eval.tasks import TaskManager  # noqa: PLC0415 (heavy: lm_eval's evaluator loads torch, datasets)
     except ImportError as e:
         raise BadInputError(f"qatfactory eval needs lm-eval (pip install 'lm-eval==0.4.13'): {e}") from None
     files = data_files_map(opts, tasks)
@@ -391,10 +391,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
 
 
 def provenance(tasks: List[str], files: Dict[str, str]) -> Dict[str, Any]:
-    from importlib.metadata import version
 
-    from . import assets
-    from .assets import sha256_file
     data: Dict[str, Any] = {}
     need = {"qf_gsm8k": "gsm8k", "qf_wiki_ppl": "wiki", "qf_persuasion_ppl": "austen"}
     for t in tasks:
@@ -418,7 +415,6 @@ def table(rec: Dict[str, Any]) -> str:
 
 
 def write(out: Path, rec: Dict[str, Any]) -> None:
-    from . import _fsutil
     out.mkdir(parents=True, exist_ok=True)
     _fsutil.write_text_atomic(out / "results.json", json.dumps(rec, indent=1, default=str))
     _fsutil.write_text_atomic(out / "results.md", f"# qatfactory eval {rec['target']} ({rec['backend']})\n\n"
@@ -427,7 +423,6 @@ def write(out: Path, rec: Dict[str, Any]) -> None:
 
 
 def main(argv: List[str]) -> int:
-    from . import exitcodes as X
     try:
         run(list(argv))
     except (UsageError, BadInputError) as e:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import gguf
+
 from . import llama_tools as LT
 
 # llama-quantize's way to write each GGUF family for a dense model (see recipes/format/*_gguf.yaml)
@@ -85,7 +87,6 @@ def make_scorer(model_dir, eval_texts: Sequence[str], work: Path, cache: Optiona
 
 
 def gguf_summary(path) -> Dict[str, Any]:
-    import gguf
     r = gguf.GGUFReader(str(path))
     types = Counter(t.tensor_type.name for t in r.tensors)
     data = Path(path).stat().st_size - min(int(t.data_offset) for t in r.tensors)
@@ -153,9 +154,9 @@ def table_lines(rows: List[Dict[str, Any]], teacher_ppl: Optional[float]) -> Lis
 
 
 def plot(rows: List[Dict[str, Any]], png: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     fams = list(dict.fromkeys(r.get("family", "") for r in rows))
     fig, axes = plt.subplots(1, len(fams), figsize=(4.2 * len(fams), 3.6), squeeze=False)
     for ax, fam in zip(axes[0], fams):

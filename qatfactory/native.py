@@ -36,13 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+import gguf
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil
 from .exitcodes import BadInputError, CorruptFileError, UnsafeFileError
 from .formats import ConvertedModel, PackedTensor, get_format
-from .nn.scale_adapter import ScaleAdapterLinear, modules as adapter_modules
+from .nn.scale_adapter import ScaleAdapterLinear
+from .nn.scale_adapter import modules as adapter_modules
 
 INDEX = "model.safetensors.index.json"
 SCALE_FILE_KIND = "qatfactory_scales"
@@ -213,7 +218,6 @@ def _check_hf_config(d, cfg: Dict[str, Any]) -> None:
 
 
 def _read_safetensors(d: Path) -> NativeCheckpoint:
-    from safetensors import safe_open
     cfg = _json(d, "config.json")
     container, layout, w4a4 = _qconfig(d, cfg)
     if w4a4:
@@ -305,7 +309,7 @@ def _permute(a: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _gguf_config(reader, file: Path) -> Dict[str, Any]:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415 (heavy: transformers)
     try:
         cfg = dict(load_gguf_checkpoint(str(file), return_tensors=False)["config"])
     except Exception as e:
@@ -326,9 +330,7 @@ def _field(reader, key):
 
 
 def _read_gguf(d: Path, name: str) -> NativeCheckpoint:
-    import gguf
-    import numpy as np
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
     file = _inside(d, name, "GGUF file")
     try:
         reader = gguf.GGUFReader(str(file))
@@ -453,7 +455,7 @@ def build_model(ck: NativeCheckpoint, target: str = "auto", param: str = "dense"
                 ste: str = "continuous", targets=("*",), dtype: torch.dtype = torch.float32) -> nn.Module:
     """The HF model of ``ck`` with every packed linear a ScaleAdapterLinear (theta = 0: the base, bit for
     bit); every other parameter frozen. ``targets`` (fnmatch on module names) selects which train."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
     tgt = resolve_target(ck, target)
     cfg = dict(ck.config)
     mt = cfg.pop("model_type", None)
@@ -541,7 +543,6 @@ def converted_with_scales(ck: NativeCheckpoint, scales: Dict[str, torch.Tensor],
 def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = "") -> Dict[str, Any]:
     """The trained scale bytes of every adapted linear (HF names, HF row order) with the code plane they
     belong to; written atomically. Returns its metadata."""
-    from safetensors.torch import save_file
     mods = adapter_modules(model)
     tensors = {name: mods[name[: -len(".weight")]].scale_bytes().cpu().contiguous() for name in sorted(ck.packed)}
     fmts = sorted({mods[n[: -len(".weight")]].fmt_name for n in ck.packed})
@@ -563,7 +564,6 @@ def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = ""
 
 def base_scale_file(ck: NativeCheckpoint, path) -> Dict[str, Any]:
     """The base's own scale bytes as a scale file: applying it is the rollback."""
-    from safetensors.torch import save_file
     meta = {"kind": SCALE_FILE_KIND, "version": "1", "format": ck.base_format, "layout": ck.layout,
             "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
             "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
@@ -582,7 +582,6 @@ def base_scale_file(ck: NativeCheckpoint, path) -> Dict[str, Any]:
 def load_scale_file(path, ck: Optional[NativeCheckpoint] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """(HF weight name -> uint8 scale bytes, metadata); with ``ck``: refused unless it was made for that code
     plane and every tensor has the base's shape."""
-    from safetensors import safe_open
     p = Path(path)
     if not p.is_file() or p.is_symlink():
         raise FileNotFoundError(f"scale file {str(path)!r} does not exist (or is a symbolic link)")
@@ -654,8 +653,6 @@ def write_patched(base, scale_file, out_dir, force: bool = False) -> Dict[str, A
 
 
 def _patch_safetensors(ck: NativeCheckpoint, tensors: Dict[str, torch.Tensor], tmp: Path) -> None:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     for fn in ck.files:
         with safe_open(str(ck.path / fn), framework="pt") as f:
             meta = f.metadata()
@@ -672,8 +669,6 @@ def _patch_safetensors(ck: NativeCheckpoint, tensors: Dict[str, torch.Tensor], t
 def _patch_gguf(ck: NativeCheckpoint, tensors: Dict[str, torch.Tensor], tmp: Path) -> None:
     """Copy the file, then overwrite each NVFP4/MXFP4 tensor's blocks in place (at the offsets gguf-py
     reads) with the same blocks holding the new scale bytes; every other byte stays the base's."""
-    import gguf
-    import numpy as np
     src = ck.path / ck.gguf_file
     dst = tmp / ck.gguf_file
     shutil.copyfile(src, dst, follow_symlinks=False)

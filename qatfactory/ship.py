@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import _fsutil
-from .exporters import export, verify as gate
+from .exporters import export
+from .exporters import verify as gate
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
 from .train.engine import run as train_run

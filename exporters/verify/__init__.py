@@ -29,7 +29,9 @@ from typing import List, Optional
 from qatfactory.formats import ConvertedModel
 
 from .common import RECORD, default_prompt, read_json
+from .gguf import verify_gguf
 from .result import FAIL, INCOMPLETE, PASS, Check, Malformed, Missing, VerifyResult  # noqa: F401
+from .safetensors import verify_safetensors
 
 ENGINES = {"vllm": "safetensors", "sglang": "safetensors", "llama_cpp": "gguf"}
 
@@ -68,11 +70,9 @@ def verify(export_dir, student: ConvertedModel, prompt_ids: Optional[List[int]] 
         raise ValueError(f"verify: prompt ids must be non-empty and in [0, {vocab})")
     try:
         if container == "gguf":
-            from .gguf import verify_gguf
             res.flavour = "gguf" if res.flavour == "?" else res.flavour
             verify_gguf(res, d, student, rec, prompt, logits, llama_cpp is not False)
         else:
-            from .safetensors import verify_safetensors
             verify_safetensors(res, d, student, rec, prompt, logits)
     except Missing as e:
         res.missing("-", "gate", e)

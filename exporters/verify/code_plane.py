@@ -31,7 +31,9 @@ import torch
 from qatfactory.formats import ConvertedModel
 
 from .common import compare_values, inside, names_sample, read_json, same_bits, student_logits
+from .gguf import Names, find_gguf, parse_ggml_blocks
 from .result import FAIL, Malformed, Missing, VerifyResult, need
+from .safetensors import detect_flavour, load_tensors
 
 
 class _Plane:
@@ -66,7 +68,6 @@ def _unpack(pairs: torch.Tensor) -> np.ndarray:
 
 
 def _read_safetensors(d: Path) -> _Plane:
-    from .safetensors import detect_flavour, load_tensors
     cfg = read_json(d, "config.json")
     qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else {}
     flavour = detect_flavour(d, qc)
@@ -94,7 +95,6 @@ def _read_safetensors(d: Path) -> _Plane:
 
 
 def _read_gguf(d: Path, student: ConvertedModel) -> _Plane:
-    from .gguf import Names, find_gguf, parse_ggml_blocks
     gguf = need("gguf")
     path = find_gguf(d)
     reader = gguf.GGUFReader(str(path))

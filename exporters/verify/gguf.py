@@ -18,6 +18,7 @@ record, formats/layouts.py): the student's truth, never the exporter's choice.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import re
@@ -30,12 +31,29 @@ import torch
 from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
-from .common import (act_decode_scale, compare_values, exact_logits_check, f32_bits, fake_quant, inside,
-                     max_ulp, model_from_state_dict, module_of, names_sample, nonfinite, run_logits, student_logits,
-                     student_mode, student_weights, tied, written_dense)
-from . import kv as KVG  # issue 22
-from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 from ..gguf_tokenizer import gate_check as tokenizer_gate
+from . import kv as KVG  # issue 22
+from .common import (
+    act_decode_scale,
+    compare_values,
+    exact_logits_check,
+    f32_bits,
+    fake_quant,
+    inside,
+    max_ulp,
+    model_from_state_dict,
+    module_of,
+    names_sample,
+    nonfinite,
+    run_logits,
+    student_logits,
+    student_mode,
+    student_weights,
+    tied,
+    written_dense,
+)
+from .llama_cpp_runtime import runtime_check
+from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 
 # HF model_type -> (gguf-py MODEL_ARCH member name, llama.cpp permutes Q/K rows for interleaved RoPE)
 ARCH = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "mixtral": ("LLAMA", True),
@@ -115,8 +133,6 @@ def parse_ggml_blocks(raw: np.ndarray, kind: str, k: int) -> Tuple[np.ndarray, n
 
 def libggml_dequantizer():
     """libggml-python's C dequantizers through ctypes (a required check: Missing when absent)."""
-    import ctypes
-
     libggml = need("libggml")
     base = os.path.dirname(libggml.__file__)
     cands = sorted(glob.glob(os.path.join(base, "lib*", "libggml-base.so*")))
@@ -264,7 +280,6 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
     if not llama_cpp:
         res.opted_out("logits", "llama.cpp runtime", "llama_cpp=False")
         return
-    from .llama_cpp_runtime import runtime_check
     runtime_check(res, path, student, prompt, {g: tt.tensor_type.name for g, tt in tensors.items()}, names, cache)
 
 

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from qatfactory.formats import ConvertedModel
 
@@ -199,8 +200,6 @@ def emulated_logits(student: ConvertedModel, prompts: List[List[int]], types: Di
                     ) -> Dict[str, Any]:
     """Plain, emulated and tipped logits [prompts, positions, vocab] of the student's model, and
     what was rounded how."""
-    import torch.nn.functional as F
-
     model = model_from_state_dict(student.config, student_weights(student), eager_experts=True)
     ids = torch.tensor(prompts)
     plain = model(ids).logits.float()

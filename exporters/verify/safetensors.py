@@ -27,11 +27,32 @@ import torch
 from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
-from .common import (EMBED, LM_HEAD, act_decode_scale, compare_hf_config, compare_values, exact_logits_check,
-                     f32_bits, fake_quant, fused_groups, inside, max_ulp, model_from_state_dict, module_of,
-                     names_sample, nonfinite, read_json, run_logits, same_bits, student_logits, student_mode,
-                     student_weights, tied, written_dense)
 from . import kv as KVG  # issue 22: k/v scales and kv-cache config against the student
+from .common import (
+    EMBED,
+    LM_HEAD,
+    act_decode_scale,
+    compare_hf_config,
+    compare_values,
+    exact_logits_check,
+    f32_bits,
+    fake_quant,
+    fused_groups,
+    inside,
+    max_ulp,
+    model_from_state_dict,
+    module_of,
+    names_sample,
+    nonfinite,
+    read_json,
+    run_logits,
+    same_bits,
+    student_logits,
+    student_mode,
+    student_weights,
+    tied,
+    written_dense,
+)
 from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription

@@ -31,6 +31,8 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import assets
+
 TASKS = ("say7", "arith", "gsm8k")
 SAY7_WIDTH = 32      # say7: a character scores 1 - |code point - ord('7')| / 32, 0 beyond
 ANSWER_FORMATS = ("tag", "hash")
@@ -229,7 +231,6 @@ def make_task(name: str, answer_format: str = "tag", level: int = 1, n_train: in
             raise ValueError(f"task=arith level {level}: could not draw {n_train} training problems outside the "
                              f"{n_eval} held-out ones; lower n_train or n_eval")
         return Task(name, train, ev, answer_format, format_weight, correct_weight)
-    from .. import assets
     recs = assets.gsm8k()
     items = [Item(r["question"], gsm8k_gold(r["answer"])) for r in recs]
     if n_train > 1000:

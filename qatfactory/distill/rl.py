@@ -39,6 +39,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .rewards import ANSWER_FORMATS, TASKS
+
 LOSS_NORMS = ("bnpo", "sequence", "dr_grpo")
 OLD_LOGPROBS = ("recompute", "rollout")
 LORA_MODES = ("adapter", "merged")
@@ -102,7 +104,6 @@ class RLConfig:
     aqn: AQNConfig = field(default_factory=AQNConfig)
 
     def validate(self) -> "RLConfig":
-        from .rewards import TASKS, ANSWER_FORMATS
         for fld, v, allowed in (("task", self.task, TASKS), ("answer_format", self.answer_format, ANSWER_FORMATS),
                                 ("loss_norm", self.loss_norm, LOSS_NORMS),
                                 ("old_logprobs", self.old_logprobs, OLD_LOGPROBS),

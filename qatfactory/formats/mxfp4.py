@@ -70,8 +70,16 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
-from .codecs import (E2M1_VALUES, e2m1_magnitude_np, pack_pairs, pack_pairs_np, pack_split_halves_np,
-                     unpack_pairs, unpack_pairs_np, unpack_split_halves_np)
+from .codecs import (
+    E2M1_VALUES,
+    e2m1_magnitude_np,
+    pack_pairs,
+    pack_pairs_np,
+    pack_split_halves_np,
+    unpack_pairs,
+    unpack_pairs_np,
+    unpack_split_halves_np,
+)
 from .layouts import Codec, GGMLType, GGUFLayout, LlamaFileType, NibbleOrder, SafetensorsLayout, ScaleRule, TieRule
 from .spec import _STE, Format, FormatSpec, PackedTensor, register
 

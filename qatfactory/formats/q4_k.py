@@ -60,9 +60,20 @@ import numpy as np
 import torch
 
 from .codecs import pack_split_halves, pack_split_halves_np, unpack_split_halves, unpack_split_halves_np
-from .kquant_common import (fp16_round, fp16_round_np, nearest_int, nearest_int_np, pack_scale_min_k4,
-                            pack_scale_min_k4_np, seq_sum, seq_sum_np, sqrt_f32, tdiv, unpack_scale_min_k4,
-                            unpack_scale_min_k4_np)
+from .kquant_common import (
+    fp16_round,
+    fp16_round_np,
+    nearest_int,
+    nearest_int_np,
+    pack_scale_min_k4,
+    pack_scale_min_k4_np,
+    seq_sum,
+    seq_sum_np,
+    sqrt_f32,
+    tdiv,
+    unpack_scale_min_k4,
+    unpack_scale_min_k4_np,
+)
 from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 

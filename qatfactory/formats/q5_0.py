@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, sqrt_f32, tdiv
+from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .q6_k import imatrix_arg, make_qx_quants, make_qx_quants_np
 from .q8_0 import CheckedInput, as_float32, fp16_scales_arg, no_amax
-from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK = 32

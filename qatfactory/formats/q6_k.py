@@ -65,8 +65,8 @@ import numpy as np
 import torch
 
 from .kquant_common import fp16_round, fp16_round_np, nearest_int, nearest_int_np, tdiv
-from .q8_0 import CheckedInput, as_float32, no_amax
 from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
+from .q8_0 import CheckedInput, as_float32, no_amax
 from .spec import Format, FormatSpec, PackedTensor, register
 
 QK_K = 256

@@ -40,7 +40,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..formats import get_format
+from ..formats import codecs as C
+from ..formats import get_format, list_formats
 from ..formats.layouts import ScaleRule, TieRule
 from ..formats.spec import PackedTensor
 from . import loader
@@ -112,7 +113,6 @@ def _out(shape, dtype, device) -> torch.Tensor:
 
 def kernel_formats():
     """Names of the registered formats that have a CUDA kernel."""
-    from ..formats import list_formats
     return sorted(n for n in list_formats() if _ggml_kernel(n) is not None or _fp4_rule(n) is not None)
 
 
@@ -529,7 +529,6 @@ def lsq_fake_quantize(x: torch.Tensor, scale: torch.Tensor, block: int = 16, gra
 
 def lsq_reference(x: torch.Tensor, scale: torch.Tensor, block: int):
     """(y, inside, d_scale_term) of the LSQ rule in torch (the kernel's reference)."""
-    from ..formats import codecs as C
     xb = x.float().reshape(*x.shape[:-1], -1, block)
     v = xb / scale.float().unsqueeze(-1)
     mag = C.e2m1_magnitude(v.abs(), "rne")

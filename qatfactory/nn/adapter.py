@@ -33,6 +33,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from .linear import QuantLinear
@@ -173,7 +174,6 @@ def save_peft_adapter(model: nn.Module, out_dir: str, base_model: Optional[str] 
                       dtype: Optional[torch.dtype] = None) -> str:
     """adapter_config.json + adapter_model.safetensors, written to a temporary directory beside
     ``out_dir`` and renamed into place; an existing ``out_dir`` must be such an adapter directory."""
-    from safetensors.torch import save_file
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
         raise FileExistsError(f"save_peft_adapter: {out_dir} exists and is not an adapter directory; "

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fake_quant import WeightQuantizer
+from .linear import QuantLinear
 
 _INF = float("inf")
 
@@ -84,7 +85,6 @@ class QuantEmbedding(nn.Module):
 
 def tie_head(head: nn.Module, emb: QuantEmbedding, name: str = ""):
     """A QuantLinear for a tied output head: the embedding's Parameter and its quantizer, shared."""
-    from .linear import QuantLinear
     if getattr(head, "weight", None) is not emb.weight:
         raise ValueError(f"{name}: the output head does not share the embedding's weight; it is not tied")
     if getattr(head, "bias", None) is not None:

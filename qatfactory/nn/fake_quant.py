@@ -22,25 +22,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..formats import get_format
-from ..formats import codecs as C
 from .. import kernels
+from ..formats import codecs as C
+from ..formats import get_format, list_formats
+from ..formats.scale_search import GRID_CODECS as _GRID_CODECS  # the one-byte block-scale grids
+from ..formats.scale_search import scale_grid
 
-# formats whose block scale is one byte on a grid we can round a learned float onto
-_GRID_CODECS = ("e4m3", "e8m0")
 E2M1_QMAX = 6.0
 
 
 def has_global_scale(fmt) -> bool:
     return fmt.spec.global_scale is not None
-
-
-def scale_grid(fmt) -> Optional[str]:
-    """'e4m3' / 'e8m0' for the NVFP4 / MXFP4 families (one scale byte per block), else None."""
-    s = fmt.spec
-    if s.element == "e2m1" and s.scale_codec in _GRID_CODECS and s.super_block == s.block_size:
-        return s.scale_codec
-    return None
 
 
 def takes_imatrix(fmt) -> bool:
@@ -51,7 +43,6 @@ def takes_imatrix(fmt) -> bool:
 
 
 def grid_formats():
-    from ..formats import list_formats
     return [n for n in list_formats() if scale_grid(get_format(n)) and get_format(n).spec.role != "activation"]
 
 

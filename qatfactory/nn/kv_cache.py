@@ -189,7 +189,7 @@ def _inner_function(module, inner: str):
         if fn is None:
             raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward in {type(module).__module__}")
         return fn
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 (heavy: transformers)
     return ALL_ATTENTION_FUNCTIONS[inner]
 
 
@@ -205,8 +205,11 @@ def _attention_for(inner: str):
 
 def register_attention(inner: str) -> str:
     """Register ``qatfactory_kv_<inner>`` (attention and mask functions) with transformers; returns it."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    from transformers.masking_utils import (  # noqa: PLC0415 (heavy: transformers)
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
+    from transformers.modeling_utils import AttentionInterface  # noqa: PLC0415 (heavy: transformers)
     name = f"{ATTN_PREFIX}{inner}"
     if name not in AttentionInterface._global_mapping:
         mask_fn = AttentionMaskInterface._global_mapping.get(inner)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from . import step_cache, weight_cache
-from .fake_quant import ActQuantizer
+from .fake_quant import ActQuantizer, quant_kwargs
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
 
@@ -106,8 +107,6 @@ class QuantLinear(nn.Module):
         hit = getattr(self, "_recompute_key", None)
         if hit is not None and hit[0] == key:
             return hit[1]
-        from .. import kernels
-        from .fake_quant import quant_kwargs
         fmt = wq.fmt
         probe = self.weight.detach()
         # ggml types that take an importance matrix may run the emulator (checking would sync the host)

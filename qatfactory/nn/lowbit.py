@@ -40,6 +40,7 @@ from torch import nn
 
 from ..formats import get_format
 from ..formats.intgrid import C23, IntGrid
+from .fake_quant import WeightQuantizer
 
 GRAD_RULES = ("released", "clean")
 INIT_METHODS = ("max", "mse")
@@ -55,7 +56,6 @@ def make_weight_quantizer(fmt_name: str, strategy: str, shape3, ste: str = "iden
     the E2M1 / ggml WeightQuantizer for every other format."""
     if is_lowbit(fmt_name):
         return LowBitQuantizer(fmt_name, strategy, shape3, ste, device=device)
-    from .fake_quant import WeightQuantizer
     return WeightQuantizer(fmt_name, strategy, shape3, ste, device=device)
 
 

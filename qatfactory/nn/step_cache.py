@@ -23,6 +23,8 @@ import contextlib
 import os
 from typing import Callable, List, Optional
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 _STATE = {"enabled": 0, "epoch": 0, "hooked": False}
 _WEIGHTS: List[bool] = []                 # one entry per open enabled() block
 _ON_CHANGE: List[Callable[[], None]] = []  # weight_cache.release_all
@@ -60,7 +62,6 @@ def _optimizer_stepped(optimizer, args, kwargs) -> None:
 def _hook_optimizers() -> None:
     if _STATE["hooked"]:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(_optimizer_stepped)
     _STATE["hooked"] = True
 

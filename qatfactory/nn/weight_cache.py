@@ -45,9 +45,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import step_cache
 from .. import kernels
 from ..formats import get_format
+from . import step_cache
 from .fake_quant import WeightQuantizer, has_global_scale, quant_kwargs
 
 _INF = float("inf")

@@ -17,7 +17,8 @@ The promise kept here: the prepared model's forward equals, with atol=0, the for
 model rebuilt from ``convert(model)``'s dequantized tensors.
 
 The package: config (QuantConfig, presets), modules (what a model holds), prepare, search
-(block-scale search), calibrate, coverage, convert (+ the ZeRO-3 hook), io (save / load).
+(block-scale search; its numerics are formats/scale_search.py), calibrate, coverage, convert (+ the ZeRO-3
+hook), io (save / load).
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from .config import (  # noqa: F401
     DEFAULT_EXCLUDE,
     NO_ACT,
     POLICY_TARGETS,
-    presets,
     SCALE_STRATEGIES,
     STE_MODES,
     LoRAConfig,
@@ -44,6 +44,7 @@ from .config import (  # noqa: F401
     _check_pattern,
     _check_weight_format,
     match,
+    presets,
 )
 from .convert import (  # noqa: F401
     _hf_tensors,
@@ -96,6 +97,5 @@ from .prepare import (  # noqa: F401
     prepare,
 )
 from .search import (  # noqa: F401
-    _ceil_log2,
     search_scales,
 )

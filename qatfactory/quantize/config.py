@@ -8,13 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .._recipes import format_recipe, format_recipes
+from ..formats import get_format, list_formats
+from ..formats.kv import list_kv_formats
+from ..formats.scale_search import SEARCH_METHODS
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
 
 
-CALIB_METHODS = ("max", "mse", "four_over_six")
+CALIB_METHODS = SEARCH_METHODS   # the block-scale searches the formats know (formats/scale_search.py)
 
 
 STE_MODES = ("identity", "clipped")
@@ -165,7 +168,6 @@ class QuantConfig:
             if r.act is not None and r.act not in NO_ACT:
                 _check_act_format(f"QuantConfig.rules[{i}].act", r.act)
         if self.kv_format is not None:
-            from ..formats.kv import list_kv_formats
             if self.kv_format not in list_kv_formats():
                 raise ValueError(f"QuantConfig.kv_format={self.kv_format!r} is not a KV-cache format; allowed: "
                                  f"{list_kv_formats()} or None (the cache in the model dtype)")
@@ -245,14 +247,12 @@ def _check_choice(fld: str, v, allowed) -> None:
 
 
 def _check_weight_format(fld: str, name: str) -> None:
-    from ..formats import list_formats
     if name in POLICY_TARGETS:
         return
     fmts = list_formats()
     if name not in fmts:
         raise ValueError(f"{fld}={name!r} is not a registered format; allowed: {fmts} "
                          f"or a policy target {list(POLICY_TARGETS)}")
-    from ..formats import get_format
     role = get_format(name).spec.role
     if role == "activation":
         raise ValueError(f"{fld}={name!r} is an activation-only format; allowed for weights: "
@@ -260,7 +260,6 @@ def _check_weight_format(fld: str, name: str) -> None:
 
 
 def _check_act_format(fld: str, name: str) -> None:
-    from ..formats import get_format, list_formats
     fmts = list_formats()
     if name not in fmts:
         raise ValueError(f"{fld}={name!r} is not a registered format; allowed: {fmts}, "

@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from ..formats import ConvertedModel
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding
 from ..nn.experts import (
@@ -70,7 +71,7 @@ def disk_layout(model) -> Dict[str, Any]:
         names.append(name)
         off += t.numel()
     try:
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415 (heavy: transformers)
         reverted = revert_weight_conversion(model, dict(idx))
     except ImportError:  # older transformers: what is in memory is what is on disk
         reverted = dict(idx)
@@ -108,7 +109,6 @@ def convert(model: nn.Module):
     Packed tensors by on-disk HF name (experts split per expert), each quantized exactly as the
     forward fake-quantized it (same amax, same scale bytes, LoRA merged first); every other
     tensor in the model dtype."""
-    from ..formats import ConvertedModel
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("convert: the model is not prepared; call qatfactory.quantize.prepare(model, cfg) first")
@@ -188,7 +188,7 @@ def register_zero3_external_params(model: nn.Module) -> int:
     group member computing the shared amax reads its peers' weights too, so register them as
     external parameters of each member. Returns the number of registrations."""
     try:
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     except ImportError:
         raise ImportError("register_zero3_external_params needs DeepSpeed: pip install deepspeed") from None
     n = 0

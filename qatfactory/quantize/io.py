@@ -5,9 +5,13 @@ import json
 import os
 from typing import Dict, List, Optional
 
+import safetensors.torch
 import torch
 from torch import nn
 
+from .. import _fsutil
+from .._fsutil import load_safetensors
+from ..exitcodes import CorruptFileError
 from .config import QuantConfig
 from .prepare import prepare
 
@@ -32,9 +36,6 @@ def save_student(model: nn.Module, out_dir: str) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
     Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
     is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
-    from safetensors.torch import save_file
-
-    from .. import _fsutil
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
@@ -42,7 +43,9 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         tmp = str(tmp)
         model.config.save_pretrained(tmp)
         state = _student_state(model)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "producer": "qatfactory"})
+        # looked up when called (tests/test_safety_files.py kills the process half-way through this write)
+        safetensors.torch.save_file(state, os.path.join(tmp, "model.safetensors"),
+                                    metadata={"format": "pt", "producer": "qatfactory"})
         dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
@@ -54,10 +57,8 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Rebuild a saved student: from_config (never remote code), prepare with the saved
     QuantConfig, then load weights and quantizer state through safetensors. A damaged file is
     named in the error (exitcodes.CorruptFileError, exit code 4)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
 
-    from .._fsutil import load_safetensors
-    from ..exitcodes import CorruptFileError
     qpath = os.path.join(path, QUANT_FILE)
     if not os.path.isfile(qpath):
         raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ..formats import list_formats
+from ..formats.policy import ggml_policy
 from ..nn.embedding import QuantEmbedding
 from ..nn.experts import (
     QuantExpertsMixin,
@@ -42,11 +45,7 @@ def as_quant_config(cfg) -> QuantConfig:
         return cfg
     if isinstance(cfg, dict):
         return QuantConfig.from_dict(cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:
-        DictConfig = None
-    if DictConfig is not None and isinstance(cfg, DictConfig):
+    if isinstance(cfg, DictConfig):
         obj = OmegaConf.to_object(cfg)
         return obj if isinstance(obj, QuantConfig) else QuantConfig.from_dict(obj)
     raise TypeError(f"prepare: cfg must be a QuantConfig (or a dict / OmegaConf node of one), "
@@ -132,13 +131,11 @@ def _exclusion(cfg: QuantConfig, name: str, lm_name, tied: bool) -> Optional[str
 
 def _resolve_format(cfg: QuantConfig, fmt: str, param_name: str, shape, config, tied: bool = False) -> Optional[str]:
     if fmt in POLICY_TARGETS:
-        from ..formats.policy import ggml_policy
         t = ggml_policy(param_name, shape, _n_layers(config), base="q4_k", n_experts=_n_experts(config), tied=tied)
         if t is None:
             t = "q4_k"    # a tensor the policy has no role for: the base type
         if t == "f16":
             return None
-        from ..formats import list_formats
         if t not in list_formats():
             raise NotImplementedError(f"{param_name}: the {fmt} policy asks for {t!r}, which is not a registered "
                                       f"format (registered: {list_formats()}); add a rule for this module")

@@ -1,8 +1,11 @@
 """prepare: swap a Hugging Face model's Linear / 3-D expert / embedding modules for fake-quant ones."""
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
+from ..formats import get_format, list_formats
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding, tie_head
 from ..nn.experts import (
@@ -126,7 +129,6 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
         raise
     t = rep.totals
     if t["asked_params"] and t["asked_fraction"] < 1.0:
-        import warnings
         warnings.warn(f"prepare: {100 * t['asked_fraction']:.1f}% of the {t['asked_params']:,} Linear-like "
                       f"parameters asked for are quantized; kept as they are: "
                       f"{', '.join(t['not_quantized'][:4])}{' ...' if len(t['not_quantized']) > 4 else ''} "
@@ -143,7 +145,6 @@ def _swap(model, name: str, new: nn.Module, old: nn.Module, undo) -> None:
 
 def _plan_embedding(model, cfg: QuantConfig, config, tied: bool):
     """(module name, format or None = the policy keeps it in f16) for quantize_embeddings."""
-    from ..formats import get_format, list_formats
     name, emb = _embedding_name(model)
     if emb is None:
         raise ValueError("QuantConfig.quantize_embeddings=True but the model has no input embedding "

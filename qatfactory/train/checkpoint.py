@@ -21,7 +21,9 @@ the file and what it would have imported. The RNG files are safetensors.
 """
 from __future__ import annotations
 
+import importlib
 import json
+import pickle
 import random
 import re
 import shutil
@@ -31,6 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import _fsutil
 from ..exitcodes import BadInputError, CorruptFileError, UnsafeFileError
@@ -92,13 +96,11 @@ def rng_file(ckpt: Path, rank: int) -> Path:
 
 
 def save_rng(path: Path) -> None:
-    from safetensors.torch import save_file
     t, meta = rng_tensors()
     save_file(t, str(path), metadata=meta)
 
 
 def load_rng(path: Path) -> None:
-    from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -110,7 +112,6 @@ def load_rng(path: Path) -> None:
 
 # ----------------------------------------------------------------------------- DeepSpeed, safely
 def _safe_classes():
-    import importlib
     out = []
     for q in DS_SAFE_GLOBALS:
         mod, _, name = q.rpartition(".")
@@ -130,7 +131,6 @@ def safe_torch_load(path, map_location=None, mmap: bool = False):
         with torch.serialization.safe_globals(_safe_classes()):
             return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        import pickle
         if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower() or \
                 "unsupported global" in str(e).lower():
             try:
@@ -169,7 +169,9 @@ def scan(ckpt: Path) -> None:
 
 def make_safe(engine) -> None:
     """Give the DeepSpeed engine a checkpoint engine whose load is :func:`safe_torch_load`."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (  # noqa: PLC0415 (optional: deepspeed)
+        TorchCheckpointEngine,
+    )
     ce = getattr(engine, "checkpoint_engine", None)
     if ce is None or type(ce).__name__ == "SafeLoad":
         return
@@ -319,7 +321,7 @@ def load(engine, ckpt: Path, rank: int) -> Dict[str, Any]:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     make_safe(engine)
     if saved_world != world and engine.optimizer is not None and int(engine.zero_optimization_stage()) > 0:
-        from . import reshard
+        from . import reshard  # noqa: PLC0415 (cycle: reshard imports this module)
         gdir = reshard.prepare(ckpt, rank)
         reshard.load(engine, gdir, rank, world)
         if rank == 0:

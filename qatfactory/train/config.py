@@ -15,15 +15,27 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hydra import compose as hcompose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
 from ..distill.rl import RLConfig
+from ..exitcodes import UsageError
 from ..nn.scale_adapter import ScaleAdapterConfig
 from ..quantize import QuantConfig
 from . import methods as M
 from .data import DataConfig
-from .methods import NO_QUANT  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
-from .methods import quant_start
+from .methods import (
+    NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
+    quant_start,
+)
 
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
@@ -195,7 +207,6 @@ def register_configs() -> None:
     global _STORED
     if _STORED:
         return
-    from hydra.core.config_store import ConfigStore
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     _STORED = True
@@ -203,7 +214,6 @@ def register_configs() -> None:
 
 def _override_message(e: BaseException) -> str:
     """One line from Hydra's / OmegaConf's multi-line errors: the override, what is wrong, what is allowed."""
-    import re
     msg = str(e)
     cause = e.__cause__ or e.__context__
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
@@ -229,8 +239,6 @@ def _override_message(e: BaseException) -> str:
 def _plugin_recipes(overrides: List[str]) -> None:
     """Import the ``plugins=[...]`` of the command line, then make each registered method without a
     recipe file selectable as ``method=<name>`` through its Method.recipe (Hydra's ConfigStore)."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     mods: List[str] = []
     for o in OverridesParser.create().parse_overrides([x for x in overrides if x.lstrip("+~").startswith("plugins=")]):
         v = o.value()
@@ -247,13 +255,6 @@ def _plugin_recipes(overrides: List[str]) -> None:
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
     """Compose recipes/ with command-line style overrides into a validated RunConfig. A bad override
     or value raises exitcodes.UsageError with one line naming the field and what is allowed."""
-    from hydra import compose as hcompose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from ..exitcodes import UsageError
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -281,9 +282,6 @@ def to_dict(cfg: RunConfig) -> Dict[str, Any]:
 def _recipe_values(groups: List[str]) -> Dict[str, Any]:
     """The flat {dotted key: value} that recipe picks such as ``format=q4_k`` give (before any
     key=value; a mandatory value still unset reads as ``???``)."""
-    from hydra import compose as hcompose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -341,6 +339,5 @@ def to_overrides(cfg: RunConfig, groups: List[str]) -> List[str]:
 
 
 def from_dict(d: Dict[str, Any]) -> RunConfig:
-    from omegaconf import OmegaConf
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d))
     return validate(OmegaConf.to_object(node))

@@ -91,7 +91,7 @@ class ByteTokenizer:
 def load_tokenizer(path: Optional[str]):
     if not path:
         return ByteTokenizer()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -114,7 +114,7 @@ def _records(path: Path, cfg: DataConfig) -> Iterable[dict]:
         if (path / "dataset_info.json").exists() or (path / "state.json").exists() \
                 or (path / "dataset_dict.json").exists():
             try:
-                import datasets  # noqa: F401
+                import datasets  # noqa: F401,PLC0415 (optional: datasets)
             except ImportError:
                 raise ImportError(f"data: {path} is a saved `datasets` directory but the `datasets` package is "
                                   f"not installed; pip install datasets (or export it to jsonl)") from None

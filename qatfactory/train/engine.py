@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import _fsutil
+from .. import _fsutil, assets
+from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
 from ..nn import step_cache
@@ -49,8 +50,8 @@ from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
-from .stream_export import cpu_student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
+from .stream_export import cpu_student
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -68,9 +69,9 @@ def init_distributed(device: str) -> None:
     Without RANK/WORLD_SIZE DeepSpeed falls back to MPI discovery (and dies without mpi4py), so
     a plain ``python -m qatfactory.train`` sets them itself. The shm comm op is switched off first:
     on CPU it would otherwise be JIT-compiled (minutes) before the first collective."""
-    import deepspeed.ops
+    import deepspeed.ops  # noqa: PLC0415 (optional: deepspeed)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     if torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -116,10 +117,9 @@ def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
     dtype = _DTYPES[m.dtype]
     path = m.path
     if path is None and m.asset:
-        from .. import assets
         path = str(assets.prepare_model_dir(m.asset))
     if path is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (heavy: transformers)
         t = m.tiny
         hf = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                          num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
@@ -135,26 +135,16 @@ def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
         return model.to(dtype), load_tokenizer(m.tokenizer), None
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory (a local Hugging Face model dir)")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)   # never trust_remote_code
     return model, load_tokenizer(m.tokenizer or path), str(path)
 
 
 def load_teacher_model(cfg: RunConfig, student_init: nn.Module) -> nn.Module:
     if cfg.method.teacher_path:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
         return AutoModelForCausalLM.from_pretrained(cfg.method.teacher_path, dtype=_DTYPES[cfg.model.dtype])
     return student_init
-
-
-def quantize_api():
-    try:
-        from .. import quantize as Q
-        Q.prepare, Q.calibrate  # noqa: B018
-    except (ImportError, AttributeError) as e:
-        raise ImportError(f"qatfactory.quantize.prepare/calibrate are not available ({e}); "
-                          f"train with format=bf16 meanwhile") from None
-    return Q
 
 
 class StudentLM(nn.Module):
@@ -369,7 +359,7 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
 
 
 def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     t = cfg.train
     device = _resolve_device(t.device)
     init_distributed(device)
@@ -412,7 +402,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
             deepspeed.zero.register_external_parameter(student, hw)
         if quantized:
             # fused q/k/v (gate/up) share one amax computed from all members' weights
-            quantize_api().register_zero3_external_params(model)
+            Q.register_zero3_external_params(model)
     train_now = method.needs.trains and not eval_only
     params = [p for p in student.parameters() if p.requires_grad]
     if train_now and not params:

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import _fsutil
 from ..exitcodes import BadInputError, CorruptFileError
@@ -93,7 +95,6 @@ class _Shards:
     def flush(self) -> None:
         if not self.cur:
             return
-        from safetensors.torch import save_file
         name = f"state-{self.n:05d}.safetensors"
         save_file(self.cur, str(self.root / name), metadata={"producer": "qatfactory", "what": "gathered"})
         for k in self.cur:
@@ -281,7 +282,6 @@ def read_index(gdir, st: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- reading on the new world
 class _Reader:
     def __init__(self, gdir: Path, idx: Dict[str, Any]):
-        from safetensors import safe_open
         self.gdir, self.idx, self.open = gdir, idx, {}
         self._safe_open = safe_open
 
@@ -379,8 +379,12 @@ def load(engine, gdir, rank: int, world: int) -> Dict[str, Any]:
             raise BadInputError("reshard: this DeepSpeed's ZeRO-1/2 optimizer has no _lazy_init_hp_params_optimizer_state")
         opt._hp_optimizer_states_linked = False
         link()
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                                 safe_set_local_optimizer_state)
+    from deepspeed.utils import (  # noqa: PLC0415 (optional: deepspeed)
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
     r = _Reader(gdir, idx)
     with torch.no_grad():
         for n, p in trainable.items():

@@ -53,12 +53,25 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .. import quantize as Q
 from ..distill import rl as RL
 from ..distill.rewards import Task, make_task
 from ..distill.rollout import SamplingConfig, generate
 from ..nn import adapter as AD
+from ..nn.noise import AQN
+from . import rundir
 from .config import NO_QUANT, RunConfig, validate
 from .data import _encode, load_tokenizer  # noqa: F401  (load_tokenizer re-exported for benchmarks)
+from .engine import (
+    _barrier,
+    _rank_world,
+    _resolve_device,
+    build_model,
+    ds_config,
+    init_distributed,
+    lr_lambda,
+    seed_all,
+)
 from .methods import Student
 from .runlog import RunLogger, memory_gb, read_metrics
 
@@ -206,10 +219,7 @@ def make_optimizer(params, t):
 
 
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
-    import deepspeed
-    from . import rundir
-    from .engine import (_barrier, _rank_world, _resolve_device, build_model, ds_config, init_distributed, lr_lambda,
-                         quantize_api, seed_all)
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     if eval_only:
         raise ValueError("method=grpo|dapo: eval-only runs are not implemented; RL runs evaluate at the start and end")
     cfg = validate(cfg)
@@ -238,7 +248,6 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     train_prompts = _prompt_ids(tok, task, task.train, r.chat_template)
     eval_prompts = _prompt_ids(tok, task, task.eval, r.chat_template)
     if quantized:
-        Q = quantize_api()
         model = Q.prepare(model, cfg.quant) or model
         if cfg.method.calibrate:
             n = min(cfg.method.calib_samples, len(train_prompts))
@@ -280,7 +289,6 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
 
     aqn = None
     if r.aqn.enabled:
-        from ..nn.noise import AQN
         a = r.aqn
         aqn = AQN(lm, t.max_steps, a.sigma_start, a.sigma_end, a.stages, a.indexing, a.resample, a.seed,
                   a.include_final_norm)
@@ -491,12 +499,10 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
     if r.lora_mode == "adapter":
         out["adapter_dir"] = AD.save_peft_adapter(lm, str(run_dir / "adapter"), base_model=source_dir)
     elif cfg.train.save_student:
-        from .. import quantize as Q
         Q.save_student(lm, str(run_dir / "student"))
         out["student_dir"] = student.student_dir = str(run_dir / "student")
     if not cfg.export.enabled:
         return out, student
-    from .. import quantize as Q
     if r.lora_mode == "adapter" and r.export_lora == "merge":
         # the trained policy (frozen base + side adapter) vs what the merged export computes
         probe = eval_prompts[:8] or [[pad]]
@@ -518,9 +524,9 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
 
 # ----------------------------------------------------------------------------- report
 def plot_rl(run_dir) -> Optional[Path]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     recs = read_metrics(run_dir)
     keys = [k for k in ("reward", "correct", "format", "entropy", "rollout_entropy", "aqn/sigma", "clip_high",
                         "completion_len", "eval/accuracy", "eval/entropy") if any(k in x for x in recs)]

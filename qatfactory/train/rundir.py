@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from .. import _fsutil
 from ..exitcodes import BadInputError
@@ -234,7 +235,6 @@ def _tidy_files(d: Path) -> None:
 
 def _write(d: Path, cfg: RunConfig, world: int, decision: Dict[str, Any]) -> None:
     """Rank 0: the record, config.yaml (never overwritten by a resume with other settings)."""
-    from omegaconf import OmegaConf
     d.mkdir(parents=True, exist_ok=True)
     _tidy_files(d)
     now = to_dict(cfg)

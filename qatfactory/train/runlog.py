@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+from tqdm.auto import tqdm
 
 
 def memory_gb() -> float:
@@ -30,13 +31,12 @@ class RunLogger:
             return
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional: tensorboard)
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
             except ImportError:
                 print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
                       "(pip install tensorboard for TensorBoard logs)", flush=True)
         if progress and total > start:
-            from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
 
     def truncate_after(self, step: int) -> None:
@@ -100,9 +100,9 @@ def read_metrics(run_dir) -> List[Dict]:
 
 def plot_curves(run_dir) -> List[Path]:
     """PNG plots of the training loss / lr and the eval metrics; returns the written paths."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     recs = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)

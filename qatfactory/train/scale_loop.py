@@ -32,11 +32,25 @@ from typing import Any, Dict, List
 
 import torch
 
+from .. import _fsutil
 from .. import native as NT
 from ..exitcodes import BadInputError, UsageError
 from ..nn import scale_adapter as SA
+from . import rundir
 from .config import RunConfig, validate
-from .data import Order, load_data, rank_batch
+from .data import Order, load_data, load_tokenizer, rank_batch
+from .engine import (
+    StudentLM,
+    _barrier,
+    _rank_world,
+    _resolve_device,
+    ds_config,
+    eval_count,
+    evaluate,
+    init_distributed,
+    lr_lambda,
+    seed_all,
+)
 from .methods import Student
 from .runlog import RunLogger, memory_gb, plot_curves, summary_text
 
@@ -58,20 +72,16 @@ def check(cfg: RunConfig) -> None:
 
 
 def _tokenizer(cfg: RunConfig, ck: NT.NativeCheckpoint):
-    from .data import load_tokenizer
     if cfg.model.tokenizer or ck.source_dir:
         return load_tokenizer(cfg.model.tokenizer or ck.source_dir)
     if ck.gguf_file:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
         return AutoTokenizer.from_pretrained(str(ck.path), gguf_file=ck.gguf_file)
     raise BadInputError(f"{ck.path}: no tokenizer files; give model.tokenizer=<a tokenizer directory>")
 
 
 def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
-    import deepspeed
-    from . import rundir
-    from .engine import (StudentLM, _barrier, _rank_world, _resolve_device, ds_config, eval_count, evaluate,
-                         init_distributed, lr_lambda, seed_all)
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     if eval_only:
         raise UsageError("method=scale_adapter: eval-only runs are not implemented; runs evaluate at start and end")
     cfg = validate(cfg)
@@ -167,7 +177,6 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     student.request(cfg, run_dir, decision.get("export_dir"))
     _barrier()
     if rank == 0:
-        from .. import _fsutil
         _fsutil.write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=1, default=str))
         if t.plots:
             plot_curves(run_dir)

@@ -16,10 +16,13 @@ else the export stops with the names.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+from ..quantize import prepare
 
 
 def _units(lm: nn.Module) -> List[Tuple[str, List[Tuple[str, nn.Parameter]]]]:
@@ -45,7 +48,7 @@ def _units(lm: nn.Module) -> List[Tuple[str, List[Tuple[str, nn.Parameter]]]]:
 def gather_state(lm: nn.Module, rank: int) -> Tuple[Optional[Dict[str, torch.Tensor]], Dict[str, Any]]:
     """Every rank: gather ``lm``'s ZeRO-3 parameters unit by unit. Rank 0 returns (state on the CPU,
     stats); the others (None, stats). ``stats['max_unit_numel']`` is the most elements gathered at once."""
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     state: Optional[Dict[str, torch.Tensor]] = {} if rank == 0 else None
     units = _units(lm)
     biggest = 0
@@ -68,17 +71,17 @@ def gather_state(lm: nn.Module, rank: int) -> Tuple[Optional[Dict[str, torch.Ten
 
 def _empty_init():
     try:
-        from transformers.initialization import no_init_weights    # skips random init: every value is loaded
+        # skips random init: every value is loaded
+        from transformers.initialization import no_init_weights  # noqa: PLC0415 (heavy: transformers)
         return no_init_weights()
     except ImportError:
-        import contextlib
         return contextlib.nullcontext()
 
 
 def rebuild(lm: nn.Module, state: Dict[str, torch.Tensor]) -> nn.Module:
     """Rank 0: a CPU copy of ``lm`` (same class and config, prepared with its QuantConfig when it has
     one) holding ``state``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
     dtype = next(iter(lm.parameters())).dtype          # what save_student records and load_student builds
     with _empty_init():
         copy = AutoModelForCausalLM.from_config(lm.config, dtype=dtype, trust_remote_code=False)
@@ -89,7 +92,6 @@ def rebuild(lm: nn.Module, state: Dict[str, torch.Tensor]) -> nn.Module:
     _load(copy, state, complete=False)
     qcfg = getattr(lm, "_qf_config", None)
     if qcfg is not None:
-        from ..quantize import prepare
         prepare(copy, qcfg)
     _load(copy, state, complete=True)
     return copy.eval()

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ... import _fsutil
 from ... import quantize as Q
@@ -148,8 +150,6 @@ class Method:
             return None
         if self.options_key:
             return getattr(cfg.method, self.options_key)
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
         try:
             node = OmegaConf.merge(OmegaConf.structured(self.options), OmegaConf.create(dict(cfg.method.options or {})))
             return OmegaConf.to_object(node)
