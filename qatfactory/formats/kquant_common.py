@@ -119,7 +119,7 @@ def seq_sum(a: torch.Tensor, from_zero: bool = False, out: Optional[torch.Tensor
     else:
         out.copy_(a[0])
     first = 0 if from_zero else 1
-    if a.device.type == "cpu" and a.dtype == torch.float32 and a.is_contiguous():
+    if a.device.type == "cpu" and a.dtype == torch.float32:
         if n > first:
             out.unsqueeze(0).index_add_(0, _zero_index(n - first), a[first:])
         return out
