@@ -398,7 +398,6 @@ def _make_qkx_t(X: torch.Tensor, W: torch.Tensor, v3: bool):
     xlo = X.amin(0)
     mx = X.amax(0)
     sums = seq_sum(torch.stack([W, W * X], dim=1))            # [2, n]: sum_w, sum_x
-    sum_w, sum_x = sums[0], sums[1]
     mn = torch.where(xlo > 0, zero, xlo)
     degenerate = (mx <= mn) if v3 else (mx == mn)
     live = ~degenerate
@@ -432,12 +431,23 @@ def _make_qkx_t(X: torch.Tensor, W: torch.Tensor, v3: bool):
     best = seq_sum(err)
     if v3 and not first_exact:
         L0 = L.clone()                                       # the clamp rule's codes, kept as they are
-    # best, scale, and what formed the best codes so far: (iscale, min); then the min the next
-    # candidates start from
-    state = torch.stack([best, scale, iscale, mn, mn])
+    # best, scale, min (the one the next candidates start from: C reuses it), and what formed the
+    # best codes so far: (iscale, min)
+    state = torch.stack([best, scale, mn, iscale, mn])
+    # the candidate's values in the same order; E: the three sums, then sum_w, sum_x
+    new = torch.empty_like(state)
+    E = torch.empty((5, n), dtype=torch.float32, device=dev)
+    E[3:] = sums
+    ends = torch.tensor([3, 3, 4], device=dev)                # sum_w, sum_w, sum_x
+    mids = torch.tensor([1, 2, 1], device=dev)                # sum_l2, sum_xl, sum_l2
+    rights = torch.tensor([0, 4, 2], device=dev)              # sum_l, sum_x, sum_xl
+    left = E.index_select(0, ends)
+    fix = torch.zeros((2, n), dtype=torch.float32, device=dev)   # this_min > 0: (sum_xl / sum_l2, 0)
     took = torch.zeros(n, dtype=torch.bool, device=dev)      # best is a candidate, not the first guess
     for num in (_NUM_QKX3_T if v3 else _NUM_QKX2_T).get(dev):
-        isc = torch.div(num, (mx - mn).add_(dspan))         # mn: the best min so far (C reuses it)
+        mn = state[2]
+        isc = torch.div(num, (mx - mn).add_(dspan), out=new[3])
+        new[4] = mn
         if v3:
             torch.sub(X, mn, out=v)
             v.mul_(isc)
@@ -447,23 +457,25 @@ def _make_qkx_t(X: torch.Tensor, W: torch.Tensor, v3: bool):
         torch.mul(W, La, out=wl)
         torch.mul(wl, La, out=wl2)
         torch.mul(wl, X, out=wlx)
-        sum_l, sum_l2, sum_xl = seq_sum(buf).unbind(0)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = torch.div(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = torch.div(sum_l2 * sum_x - sum_l * sum_xl, D)
-        pos = select_mask(this_min > 0)
-        this_min = select(pos, zero, this_min)
-        this_scale = select(pos, torch.div(sum_xl, sum_l2), this_scale)
-        torch.mul(La, this_scale, out=err)
-        err.add_(this_min).sub_(X)
+        seq_sum(buf, out=E[:3])                              # sum_l, sum_l2, sum_xl
+        # [D, N_scale, N_min] = [sum_w*sum_l2 - sum_l*sum_l, sum_w*sum_xl - sum_x*sum_l,
+        #                        sum_l2*sum_x - sum_l*sum_xl], each product as in C
+        R = (left * E.index_select(0, mids)).sub_(E[0] * E.index_select(0, rights))
+        D = R[0]
+        ts = torch.div(R[1:], D)                                # this_scale, this_min
+        torch.div(E[2], E[1], out=fix[0])
+        ts = select(select_mask(ts[1] > 0), fix, ts)
+        torch.mul(La, ts[0], out=err)
+        err.add_(ts[1]).sub_(X)
         err.mul_(err).mul_(W)
-        cur = seq_sum(err)
-        take = (D > 0) & (cur < state[0]) & live
-        took |= take
-        # accepting: best = cur, scale, and the (iscale, min) of these codes; min = this_min
-        state = select(select_mask(take), torch.stack([cur, this_scale, isc, mn, this_min]), state)
-        mn = state[4]
-    _, scale, best_isc, best_m, mn = state.unbind(0)
+        seq_sum(err, out=new[0])
+        new[1:3] = ts
+        take = (D > 0) & (new[0] < state[0]) & live
+        if L0 is not None:
+            took |= take
+        # accepting: best = cur, scale, min = this_min, and the (iscale, min) of these codes
+        state = select(select_mask(take), new, state)
+    _, scale, mn, best_isc, best_m = state.unbind(0)
     if v3:
         torch.sub(X, best_m, out=v)
         v.mul_(best_isc)
