@@ -178,13 +178,13 @@ class Q5_0(CheckedInput, Format):
         else:
             im = imatrix_arg(imatrix, shape, self.name, x.device)
             rows = x.reshape(-1, k)
-            sq = (rows * rows).t().contiguous()
-            sum_x2 = seq_sum(sq, from_zero=True)  # sequential over the whole row, as the C sum: no tree
+            x2 = rows * rows
+            sum_x2 = seq_sum(x2.t().contiguous(), from_zero=True)  # sequential over the row, as in C
             sigma2 = tdiv(sum_x2, float(k))
-            s2b = sigma2.repeat_interleave(nb).unsqueeze(1)
+            # w = imatrix * sqrtf(sigma2 + x^2), in row layout (sigma2 one value per row);
             # sqrt_f32: C sqrtf is correctly rounded, torch's CPU float32 sqrt is not
-            w = im.reshape(-1, QK) * sqrt_f32(s2b + xb * xb)
-            d, L = make_qx_quants(xb.t(), 16, w.t())
+            w = sqrt_f32(x2.add_(sigma2.unsqueeze(1))).mul_(im.reshape(rows.shape))
+            d, L = make_qx_quants(xb.t(), 16, w.reshape(-1, QK).t())
             q = L.t()
             d16 = fp16_round(d)
         return PackedTensor(self.name, shape, q.to(torch.uint8).reshape(shape),

@@ -196,7 +196,9 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
     cols = min(g, QX_COLS_CUDA if x.is_cuda else QX_COLS_CPU)
     cands = nc if x.is_cuda else min(nc, QX_CANDS_CPU)
     zero = torch.empty(g, dtype=torch.bool, device=dev)
-    iscale = torch.empty((nc, g), dtype=torch.float32, device=dev)
+    # per candidate, what accepting it sets: best = scale*sumlx, scale, and the iscale of its levels
+    gain = torch.empty((nc, 3, g), dtype=torch.float32, device=dev)
+    iscale = gain[:, 2]
     sums = torch.empty((2, nc, g), dtype=torch.float32, device=dev)     # sumlx, suml2 per candidate
     lv_buf = torch.empty(n * cands * cols, dtype=torch.float32, device=dev)
     p_buf = torch.empty(2 * n * cands * cols, dtype=torch.float32, device=dev)
@@ -226,16 +228,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
             p[:, 1].mul_(lv)                                              # (w*l)*l
             seq_sum(p, from_zero=True, out=sums[:, k0:k1, a:b])           # from +0, in element order
     slx, sl2 = sums[0], sums[1]
-    ratio = tdiv(slx, select(select_mask(sl2 != 0), sl2, one))       # each candidate's sumlx/suml2
+    # each candidate's sumlx / (suml2 or 1): adding (suml2 == 0) leaves every other suml2 as it is
+    ratio = torch.div(slx, sl2 + (sl2 == 0).float(), out=gain[:, 1])
     # the first guess: scale = suml2 ? sumlx/suml2 : 0, best = scale*sumlx
     ratio[0] = select(select_mask(sl2[0] != 0), ratio[0], torch.zeros_like(one))
-    best = ratio[0] * slx[0]
-    # per candidate, what accepting it sets: best = scale*sumlx, scale, and the iscale of its levels
-    gain = torch.stack([ratio * slx, ratio, iscale], dim=1)           # [19, 3, G]
+    torch.mul(ratio, slx, out=gain[:, 0])
     sq = slx * slx
     pos = sl2 > 0
     state = gain[0].clone()                                           # best, scale, iscale
-    state[0] = best
     for k in range(1, nc):
         take = pos[k] & (sq[k] > state[0] * sl2[k])
         state = select(select_mask(take), gain[k], state)
