@@ -195,7 +195,6 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
     nc = nums.numel()
     cols = min(g, QX_COLS_CUDA if x.is_cuda else QX_COLS_CPU)
     cands = nc if x.is_cuda else min(nc, QX_CANDS_CPU)
-    zero = torch.empty(g, dtype=torch.bool, device=dev)
     # per candidate, what accepting it sets: best = scale*sumlx, scale, and the iscale of its levels
     gain = torch.empty((nc, 3, g), dtype=torch.float32, device=dev)
     iscale = gain[:, 2]
@@ -203,15 +202,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None)
     lv_buf = torch.empty(n * cands * cols, dtype=torch.float32, device=dev)
     p_buf = torch.empty(2 * n * cands * cols, dtype=torch.float32, device=dev)
     one = torch.ones((), dtype=torch.float32, device=dev)
+    mx, zero = _signed_absmax(x)
+    torch.div(nums.unsqueeze(1), select(select_mask(zero), one, mx).unsqueeze(0), out=iscale)  # IEEE
     for a in range(0, g, cols):
         b = min(g, a + cols)
         m = b - a
         xc = x[:, a:b].contiguous()
         wc = xc * xc if w is None else w[:, a:b].contiguous()
-        mc, zc = _signed_absmax(xc)
-        zero[a:b] = zc
-        isc = torch.div(nums.unsqueeze(1), select(select_mask(zc), one, mc).unsqueeze(0))  # [19, m], IEEE
-        iscale[:, a:b] = isc
+        isc = iscale[:, a:b]
         wx = wc * xc
         # Levels are kept as float32 integers: |iscale * x| <= |c| (|x| <= |mx|, |c| < nmax + 1) up
         # to one rounding, far inside the range where ggml's nearest_int bit trick equals

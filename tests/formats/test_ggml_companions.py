@@ -375,6 +375,29 @@ def test_bad_k_names_format_block_and_fallback(fmt):
         f.quantize_ref(x.numpy())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_finite_sees_every_position(dtype):
+    """The input check (one min/max pass) refuses NaN, +Inf and -Inf wherever they sit (first and
+    last element, vector lanes and tails, a non-contiguous view) and passes finite extremes."""
+    from qatfactory.formats.spec import Format
+    big = torch.finfo(dtype).max
+    for n in (1, 2, 15, 16, 17, 31, 33, 64, 127, 129, 4097):
+        for pos in sorted({0, n // 2, n - 1}):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                x = torch.randn(n).to(dtype)
+                x[pos] = bad
+                with pytest.raises(ValueError, match="NaN or Inf"):
+                    Format.check_finite("t", x)
+    ok = torch.tensor([big, -big, 0.0, -0.0, torch.finfo(dtype).tiny / 4, 1.0]).to(dtype)
+    Format.check_finite("t", ok)
+    x = torch.randn(8, 66).to(dtype)
+    x[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        Format.check_finite("t", x[:, 1:])
+    Format.check_finite("t", x[:, 2:])
+    Format.check_finite("t", torch.empty(0, dtype=dtype))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_inf_raise(fmt, bad):
