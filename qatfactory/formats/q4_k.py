@@ -67,6 +67,8 @@ from .kquant_common import (
     nearest_int_np,
     pack_scale_min_k4,
     pack_scale_min_k4_np,
+    select,
+    select_mask,
     seq_sum,
     seq_sum_np,
     sqrt_f32,
@@ -96,6 +98,25 @@ def _candidate_numerators(rmin: float, rdelta: float, nstep: int):
 
 _NUM_QKX2 = _candidate_numerators(*_QKX2)
 _NUM_QKX3 = _candidate_numerators(*_QKX3)
+
+
+class _Consts:
+    """Python floats as 0-dim float32 tensors, made once per device: a division by them is the
+    IEEE division of two tensors (see kquant_common.tdiv) without a tensor made per call."""
+
+    def __init__(self, values):
+        self.values = tuple(values)
+        self._by_dev = {}
+
+    def get(self, dev):
+        t = self._by_dev.get(dev)
+        if t is None:
+            t = self._by_dev[dev] = [torch.full((), v, dtype=torch.float32, device=dev) for v in self.values]
+        return t
+
+
+_NUM_QKX2_T = _Consts(_NUM_QKX2)
+_NUM_QKX3_T = _Consts(_NUM_QKX3)
 # make_qp_quants: (0.1f*is + nmax) for is = -4..4 without 0
 _NUM_QP = [float(np.float32(np.float32(np.float32(0.1) * np.float32(i)) + np.float32(63)))
            for i in (-4, -3, -2, -1, 1, 2, 3, 4)]
@@ -346,76 +367,137 @@ def _broadcast_imatrix(imatrix, shape, to_np: bool):
 _NI_SAFE = 4194303.0
 
 
-def _round_codes(v: torch.Tensor, out: torch.Tensor, bound: torch.Tensor, v3: bool) -> torch.Tensor:
-    """Codes 0..15 (float32, into `out`) of v as make_qkx2 (clamp(nearest_int(v))) or
-    make_qkx3 (v > 0 ? nearest_int(min(v, 15)) : 0) computes them. `bound` [n] is an upper
-    bound of |v| per block (NaN/Inf where v may be NaN/Inf): when every block is inside the
-    exact range of nearest_int, torch.round (RNE) is the same function and much cheaper."""
-    if bool((bound <= _NI_SAFE).all()):
+def _exact_round(bound: torch.Tensor) -> bool:
+    return bool((bound <= _NI_SAFE).all())
+
+
+def _round_codes(v: torch.Tensor, out: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (float32, into `out`) of v as make_qkx2 computes them: clamp(nearest_int(v)).
+    `bound` [n] is an upper bound of |v| per block (NaN/Inf where v may be NaN/Inf): when every
+    block is inside the exact range of nearest_int, torch.round (RNE) is the same function and
+    much cheaper (up to the sign of a zero code, which no later step can see)."""
+    if _exact_round(bound):
         torch.round(v, out=out)
         return out.clamp_(0, 15)
-    if v3:
-        li = torch.where(v > 0, nearest_int(torch.where(v < 15, v, torch.full_like(v, 15.0))), 0)
-    else:
-        li = nearest_int(v).clamp_(0, 15)
-    out.copy_(li)
+    out.copy_(nearest_int(v).clamp_(0, 15))
+    return out
+
+
+def _qkx3_codes(v: torch.Tensor, out: torch.Tensor, nan_free: bool) -> torch.Tensor:
+    """Codes of make_qkx3, v > 0 ? nearest_int(min(v, 15)) : 0, for any v, into `out`.
+
+    c = clamp(v, -0.5, 15): every v <= 0.5 has code 0 and so has -0.5 (a tie, to even); c is in
+    [-0.5, 15], where nearest_int is round-half-even, i.e. torch.round (which may give -0.0 for
+    code 0, a sign no later step can see: see _round_codes). NaN (v = inf * 0, see _make_qkx_t)
+    gets code 0 as in C (NaN > 0 is false); `nan_free` says the caller proved there is none."""
+    torch.clamp(v, -0.5, 15.0, out=out).round_()
+    if not nan_free:
+        torch.nan_to_num(out, nan=0.0, out=out)
     return out
 
 
 def _make_qkx_t(X: torch.Tensor, W: torch.Tensor, v3: bool):
     """torch twin of _make_qkx_np on [32, n] float32 tensors. Work tensors are allocated
-    once and reused (out=) because the [32, n] ops dominate and are memory bound."""
+    once and reused (out=) because the [32, n] ops dominate and are memory bound.
+
+    The codes of the best candidate are not copied out in every step: the search keeps the
+    (iscale, min) that formed them and forms them once more at the end, with the same ops
+    (so the same bits). Degenerate blocks (max <= min, i.e. max == min) end as L = 0, scale 0
+    and their first min whatever the search computes for them, so they search with a span of 1
+    instead of 0: finite codes, which keep the exact fast paths open for the whole pass."""
     n = X.shape[1]
     dev = X.device
     zero = torch.zeros((), dtype=torch.float32, device=dev)
     xlo = X.amin(0)
     mx = X.amax(0)
     sums = seq_sum(torch.stack([W, W * X], dim=1))            # [2, n]: sum_w, sum_x
-    sum_w, sum_x = sums[0], sums[1]
     mn = torch.where(xlo > 0, zero, xlo)
     degenerate = (mx <= mn) if v3 else (mx == mn)
-    iscale = tdiv(15.0, mx - mn)
+    live = ~degenerate
+    dspan = degenerate.float()                               # max - min of a live block + 0: unchanged
+    iscale = tdiv(15.0, (mx - mn).add_(dspan))
     scale = tdiv(1.0, iscale)
-    v = torch.empty_like(X)
+    # work tensors: the codes, and one [32, 3, n] buffer whose rows hold v, then w*l, (w*l)*l and
+    # (w*l)*x for the sums, then the errors (fewer live tensors: the pass stays nearer to L2)
     La = torch.empty_like(X)
-    err = torch.empty_like(X)
     buf = torch.empty((X.shape[0], 3, n), dtype=torch.float32, device=dev)
+    wl, wl2, wlx = buf.unbind(1)
+    v, err = wl, wl2
 
-    def codes_for(isc, m, out, qkx3_rule):
+    def scaled(isc, m):
+        """v = iscale * (x - min) into `v`, and a bound of |v| per live block."""
         torch.sub(X, m, out=v)
         v.mul_(isc)
         # |X - m| <= max(|xlo - m|, |mx - m|) and rounding is monotone, so this bounds |v|
-        bound = isc.abs() * torch.maximum((xlo - m).abs(), (mx - m).abs())
-        return _round_codes(v, out, bound, qkx3_rule)
+        return torch.where(degenerate, zero, isc.abs() * torch.maximum((xlo - m).abs(), (mx - m).abs()))
 
-    L = codes_for(iscale, mn, torch.empty_like(X), False)     # the first guess clamps in both variants
+    # v = iscale * (x - min) is NaN only where iscale overflows (max - min < ~4e-38); min <= 0
+    # throughout, so max - min >= max, and a live block whose max is not tiny never overflows
+    nan_free = bool(((mx >= 2.0 ** -100) | degenerate).all())
+    L0 = None
+    bound = scaled(iscale, mn)                               # the first guess clamps in both variants
+    first_exact = _exact_round(bound)
+    L = _round_codes(v, La, bound)
     torch.mul(L, scale, out=err)
     err.add_(mn).sub_(X)
     err.mul_(err).mul_(W)                                    # w * diff^2 (one product: order-free)
     best = seq_sum(err)
-    for num in (_NUM_QKX3 if v3 else _NUM_QKX2):
-        isc = tdiv(num, mx - mn)                            # mn: the best min so far (C reuses it)
-        codes_for(isc, mn, La, v3)
-        wl = torch.mul(W, La, out=buf[:, 0])
-        torch.mul(wl, La, out=buf[:, 1])
-        torch.mul(wl, X, out=buf[:, 2])
-        s = seq_sum(buf)
-        sum_l, sum_l2, sum_xl = s[0], s[1], s[2]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = tdiv(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = tdiv(sum_l2 * sum_x - sum_l * sum_xl, D)
-        pos = this_min > 0
-        this_min = torch.where(pos, zero, this_min)
-        this_scale = torch.where(pos, tdiv(sum_xl, sum_l2), this_scale)
-        torch.mul(La, this_scale, out=err)
-        err.add_(this_min).sub_(X)
+    if v3 and not first_exact:
+        L0 = L.clone()                                       # the clamp rule's codes, kept as they are
+    # best, scale, min (the one the next candidates start from: C reuses it), and what formed the
+    # best codes so far: (iscale, min)
+    state = torch.stack([best, scale, mn, iscale, mn])
+    # the candidate's values in the same order; E: the three sums, then sum_w, sum_x
+    new = torch.empty_like(state)
+    E = torch.empty((5, n), dtype=torch.float32, device=dev)
+    E[3:] = sums
+    ends = torch.tensor([3, 3, 4], device=dev)                # sum_w, sum_w, sum_x
+    mids = torch.tensor([1, 2, 1], device=dev)                # sum_l2, sum_xl, sum_l2
+    rights = torch.tensor([0, 4, 2], device=dev)              # sum_l, sum_x, sum_xl
+    left = E.index_select(0, ends)
+    fix = torch.zeros((2, n), dtype=torch.float32, device=dev)   # this_min > 0: (sum_xl / sum_l2, 0)
+    took = torch.zeros(n, dtype=torch.bool, device=dev)      # best is a candidate, not the first guess
+    for num in (_NUM_QKX3_T if v3 else _NUM_QKX2_T).get(dev):
+        mn = state[2]
+        isc = torch.div(num, (mx - mn).add_(dspan), out=new[3])
+        new[4] = mn
+        if v3:
+            torch.sub(X, mn, out=v)
+            v.mul_(isc)
+            _qkx3_codes(v, La, nan_free)
+        else:
+            _round_codes(v, La, scaled(isc, mn))
+        torch.mul(W, La, out=wl)
+        torch.mul(wl, La, out=wl2)
+        torch.mul(wl, X, out=wlx)
+        seq_sum(buf, out=E[:3])                              # sum_l, sum_l2, sum_xl
+        # [D, N_scale, N_min] = [sum_w*sum_l2 - sum_l*sum_l, sum_w*sum_xl - sum_x*sum_l,
+        #                        sum_l2*sum_x - sum_l*sum_xl], each product as in C
+        R = (left * E.index_select(0, mids)).sub_(E[0] * E.index_select(0, rights))
+        D = R[0]
+        ts = torch.div(R[1:], D)                                # this_scale, this_min
+        torch.div(E[2], E[1], out=fix[0])
+        ts = select(select_mask(ts[1] > 0), fix, ts)
+        torch.mul(La, ts[0], out=err)
+        err.add_(ts[1]).sub_(X)
         err.mul_(err).mul_(W)
-        cur = seq_sum(err)
-        take = (D > 0) & (cur < best) & ~degenerate
-        torch.where(take, La, L, out=L)
-        best = torch.where(take, cur, best)
-        scale = torch.where(take, this_scale, scale)
-        mn = torch.where(take, this_min, mn)
+        seq_sum(err, out=new[0])
+        new[1:3] = ts
+        take = (D > 0) & (new[0] < state[0]) & live
+        if L0 is not None:
+            took |= take
+        # accepting: best = cur, scale, min = this_min, and the (iscale, min) of these codes
+        state = select(select_mask(take), new, state)
+    _, scale, mn, best_isc, best_m = state.unbind(0)
+    if v3:
+        torch.sub(X, best_m, out=v)
+        v.mul_(best_isc)
+        L = _qkx3_codes(v, La, nan_free)
+        if L0 is not None:
+            # the first guess's codes came from the clamp rule outside nearest_int's exact range
+            L = torch.where(took, L, L0)
+    else:
+        L = _round_codes(v, La, scaled(best_isc, best_m))
     L = torch.where(degenerate, zero, L)
     scale = torch.where(degenerate, zero, scale)
     return scale, -mn, L
@@ -448,7 +530,10 @@ def _make_qp_t(V: torch.Tensor, Q: torch.Tensor):
     sumlx = seq_sum((Q * V) * L)
     suml2 = seq_sum((Q * L) * L)
     L = list(L.unbind(0))
+    # the C loop stops a block after a sweep that changed nothing (at most 5 sweeps); such a
+    # sweep leaves the state as it is, so stopping when no block changed gives the same bits
     for _ in range(5):
+        changed = torch.zeros_like(is_zero)
         for i in range(n):
             w, vi, li = Q[i], V[i], L[i]
             wv = w * vi
@@ -463,6 +548,9 @@ def _make_qp_t(V: torch.Tensor, Q: torch.Tensor):
             L[i] = torch.where(ok, new, li)
             sumlx = torch.where(ok, slx, sumlx)
             suml2 = torch.where(ok, sl2, suml2)
+            changed |= ok
+        if not bool(changed.any()):
+            break
     out = torch.where(suml2 > 0, tdiv(sumlx, suml2), zero)
     out = torch.where(is_zero, zero, out)
     L = torch.where(is_zero, zero, torch.stack(L, 0))
@@ -496,12 +584,8 @@ def _quantize_chunk_t(X: torch.Tensor, Q: Optional[torch.Tensor]):
         dmin = fp16_round(tdiv(max_min, 63.0))
     else:
         X3 = X.view(SUB, S, NSUB)
-        sq = X3 * X3
-        sum_x2 = sq[0, :, 0].clone()
-        for j in range(NSUB):
-            for l in range(SUB):
-                if j or l:
-                    sum_x2.add_(sq[l, :, j])
+        sq = (X3 * X3).permute(2, 0, 1).reshape(QK_K, S)     # element 32j + l of each super-block first
+        sum_x2 = seq_sum(sq)
         sigma2 = (sum_x2 * 2.0) / 256.0      # exact scalings by powers of two
         sig = sigma2.repeat_interleave(NSUB)
         W = Q * sqrt_f32(sig + X * X)

@@ -54,7 +54,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .kquant_common import fp16_round, fp16_round_np, sqrt_f32, tdiv
+from .kquant_common import fp16_round, fp16_round_np, seq_sum, sqrt_f32, tdiv
 from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .q6_k import imatrix_arg, make_qx_quants, make_qx_quants_np
 from .q8_0 import CheckedInput, as_float32, fp16_scales_arg, no_amax
@@ -178,15 +178,13 @@ class Q5_0(CheckedInput, Format):
         else:
             im = imatrix_arg(imatrix, shape, self.name, x.device)
             rows = x.reshape(-1, k)
-            sq = (rows * rows).t().contiguous()
-            sum_x2 = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
-            for j in range(k):  # the C sum is sequential over the whole row: no tree reduction
-                sum_x2.add_(sq[j])
+            x2 = rows * rows
+            sum_x2 = seq_sum(x2.t().contiguous(), from_zero=True)  # sequential over the row, as in C
             sigma2 = tdiv(sum_x2, float(k))
-            s2b = sigma2.repeat_interleave(nb).unsqueeze(1)
+            # w = imatrix * sqrtf(sigma2 + x^2), in row layout (sigma2 one value per row);
             # sqrt_f32: C sqrtf is correctly rounded, torch's CPU float32 sqrt is not
-            w = im.reshape(-1, QK) * sqrt_f32(s2b + xb * xb)
-            d, L = make_qx_quants(xb.t().contiguous(), 16, w.t().contiguous())
+            w = sqrt_f32(x2.add_(sigma2.unsqueeze(1))).mul_(im.reshape(rows.shape))
+            d, L = make_qx_quants(xb.t(), 16, w.reshape(-1, QK).t())
             q = L.t()
             d16 = fp16_round(d)
         return PackedTensor(self.name, shape, q.to(torch.uint8).reshape(shape),

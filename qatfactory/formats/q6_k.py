@@ -64,7 +64,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from .kquant_common import fp16_round, fp16_round_np, nearest_int, nearest_int_np, tdiv
+from .kquant_common import fp16_round, fp16_round_np, nearest_int, nearest_int_np, select, select_mask, seq_sum, tdiv
 from .layouts import GGMLType, GGUFLayout, LlamaFileType, ScaleRule
 from .q8_0 import CheckedInput, as_float32, no_amax
 from .spec import Format, FormatSpec, PackedTensor, register
@@ -130,66 +130,118 @@ def make_qx_quants_np(x: np.ndarray, nmax: int, w: Optional[np.ndarray] = None) 
     return scale, L
 
 
+def _qx_numerators(nmax: int):
+    """The iscale numerators of make_qx_quants, in the C order: the first guess -nmax, then
+    -(nmax + 0.1f*is) for is = -9..9 without 0, each op rounded to float32."""
+    f = np.float32
+    return [float(-nmax)] + [float(f(-(f(nmax) + f(0.1) * f(s)))) for s in range(-9, 10) if s]
+
+
+# The candidate search runs on [n, cands, cols] pieces: `cols` groups side by side (the contiguous
+# inner dimension of every op: long enough for torch's vector loops) times `cands` of the 19
+# candidates, so that the pieces (three of them) stay in L2; CUDA is launch-bound and takes large
+# passes. Any split gives the same bits: each (group, candidate) pair is computed on its own.
+QX_COLS_CPU = 1024
+QX_CANDS_CPU = 4
+QX_COLS_CUDA = 1 << 16
+
+
+def _signed_absmax(x: torch.Tensor):
+    """Per column of x [n, m]: the signed value of the first largest |x| (the C scan with its strict
+    '>' from 0), and whether the column is a zero group (largest |x| < 1e-15; its max is never
+    read). From max and min: the largest |x| is max or -min, and only when both are (+a and -a
+    both occur) does the order decide: there the first position of each settles it."""
+    hi = x.amax(0)
+    lo = x.amin(0)
+    neg = -lo
+    zero = torch.maximum(hi, neg) < float(GROUP_MAX_EPS)
+    mx = select(select_mask(hi >= neg), hi, lo)
+    tie = (hi == neg) & ~zero
+    if bool(tie.any()):
+        cols = tie.nonzero().squeeze(1)
+        xt = x.index_select(1, cols)
+        at = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+        past = torch.full_like(at, x.shape[0])
+        first_pos = torch.where(xt == hi[cols], at, past).amin(0)
+        first_neg = torch.where(xt == lo[cols], at, past).amin(0)
+        mx = mx.index_copy(0, cols, torch.where(first_pos < first_neg, hi[cols], lo[cols]))
+    return mx, zero
+
+
+# The candidate search runs on [n, cands, cols] pieces: `cols` groups side by side (the contiguous
+# inner dimension of every op: long enough for torch's vector loops) times `cands` of the 19
+# candidates, so that the pieces (three of them) stay in L2; CUDA is launch-bound and takes large
+# passes. Any split gives the same bits: each (group, candidate) pair is computed on its own.
+QX_COLS_CPU = 1024
+QX_CANDS_CPU = 4
+QX_COLS_CUDA = 1 << 16
+
+
 def make_qx_quants(x: torch.Tensor, nmax: int, w: Optional[torch.Tensor] = None):
-    """torch twin of :func:`make_qx_quants_np` (x, w float32 [n, G] on any device)."""
+    """torch twin of :func:`make_qx_quants_np` (x, w float32 [n, G] on any device, any strides;
+    the transposed view of a contiguous [G, n] tensor is the fast case).
+
+    The 19 candidates of the C loop are independent of each other (each has its own iscale from
+    the same max), only their acceptance is sequential. So the levels and the two sums of the
+    candidates are formed side by side (each element the same float32 product and rounding as the
+    C loop; each sum one add per element, in element order, from +0), then the acceptance runs
+    over the [19, G] sums in the C order. The winner's levels are formed again from its iscale
+    (the same product and rounding), not kept per candidate. L comes back as the transposed view
+    of a contiguous [G, n] tensor."""
     n, g = x.shape
-    ax = x.abs()
-    amax = torch.zeros(g, dtype=torch.float32, device=x.device)
-    mx = torch.zeros_like(amax)
-    for i in range(n):
-        upd = ax[i] > amax
-        amax = torch.where(upd, ax[i], amax)
-        mx = torch.where(upd, x[i], mx)
-    zero = amax < float(GROUP_MAX_EPS)
-    one = torch.ones_like(mx)
-    mxs = torch.where(zero, one, mx)
-    if w is None:
-        w = x * x
-    wx = w * x
-
-    # Levels are kept as float32 integers: |iscale * x| <= |c| (|x| <= |mx|, |c| < nmax + 1) up to
-    # one rounding, far inside the range where ggml's nearest_int bit trick equals round-half-even,
-    # so torch.round gives the same integers without the int32 round trip.
-    lv = torch.empty_like(x)
-    p = torch.empty((n, 2, g), dtype=torch.float32, device=x.device)   # p[i] contiguous
-    wl = torch.empty_like(x)
-
-    def levels(iscale, out=None):
-        out = lv if out is None else out
-        torch.mul(iscale.unsqueeze(0), x, out=out)
-        return torch.round(out, out=out).clamp_(-nmax, nmax - 1)
-
-    def sums(lf):
-        # the reference's two running float32 sums, from +0 in element order; the products are
-        # formed for all elements at once (the same roundings), one add per element for both sums
-        torch.mul(wx, lf, out=p[:, 0])
-        torch.mul(w, lf, out=wl)
-        torch.mul(wl, lf, out=p[:, 1])
-        acc = torch.zeros((2,) + tuple(amax.shape), dtype=torch.float32, device=x.device)
-        for i in range(n):
-            acc.add_(p[i])
-        return acc[0], acc[1]
-
-    iscale = tdiv(float(-nmax), mxs)
-    L = levels(iscale, torch.empty_like(x))
-    sumlx, suml2 = sums(L)
-    nz = suml2 != 0
-    scale = torch.where(nz, tdiv(sumlx, torch.where(nz, suml2, one)), torch.zeros_like(sumlx))
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        c = float(np.float32(-(np.float32(nmax) + np.float32(0.1) * np.float32(step))))
-        iscale = tdiv(c, mxs)
-        l = levels(iscale)
-        slx, sl2 = sums(l)
-        acc = (sl2 > 0) & (slx * slx > best * sl2)
-        torch.where(acc.unsqueeze(0), l, L, out=L)
-        scale = torch.where(acc, tdiv(slx, torch.where(sl2 != 0, sl2, one)), scale)
-        best = torch.where(acc, scale * slx, best)
-    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L + nmax).to(torch.int32)
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
-    return scale, L
+    dev = x.device
+    nums = torch.tensor(_qx_numerators(nmax), dtype=torch.float32, device=dev)
+    nc = nums.numel()
+    cols = min(g, QX_COLS_CUDA if x.is_cuda else QX_COLS_CPU)
+    cands = nc if x.is_cuda else min(nc, QX_CANDS_CPU)
+    # per candidate, what accepting it sets: best = scale*sumlx, scale, and the iscale of its levels
+    gain = torch.empty((nc, 3, g), dtype=torch.float32, device=dev)
+    iscale = gain[:, 2]
+    sums = torch.empty((2, nc, g), dtype=torch.float32, device=dev)     # sumlx, suml2 per candidate
+    lv_buf = torch.empty(n * cands * cols, dtype=torch.float32, device=dev)
+    p_buf = torch.empty(2 * n * cands * cols, dtype=torch.float32, device=dev)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    mx, zero = _signed_absmax(x)
+    torch.div(nums.unsqueeze(1), select(select_mask(zero), one, mx).unsqueeze(0), out=iscale)  # IEEE
+    for a in range(0, g, cols):
+        b = min(g, a + cols)
+        m = b - a
+        xc = x[:, a:b].contiguous()
+        wc = xc * xc if w is None else w[:, a:b].contiguous()
+        isc = iscale[:, a:b]
+        wx = wc * xc
+        # Levels are kept as float32 integers: |iscale * x| <= |c| (|x| <= |mx|, |c| < nmax + 1) up
+        # to one rounding, far inside the range where ggml's nearest_int bit trick equals
+        # round-half-even, so torch.round gives the same integers without the int32 round trip.
+        for k0 in range(0, nc, cands):
+            k1 = min(nc, k0 + cands)
+            c = k1 - k0
+            lv = lv_buf[:n * c * m].view(n, c, m)
+            torch.mul(isc[k0:k1].unsqueeze(0), xc.unsqueeze(1), out=lv)
+            torch.round(lv, out=lv).clamp_(-nmax, nmax - 1)
+            p = p_buf[:2 * n * c * m].view(n, 2, c, m)                   # p[i] contiguous
+            torch.mul(wx.unsqueeze(1), lv, out=p[:, 0])                   # (w*x)*l
+            torch.mul(wc.unsqueeze(1), lv, out=p[:, 1])
+            p[:, 1].mul_(lv)                                              # (w*l)*l
+            seq_sum(p, from_zero=True, out=sums[:, k0:k1, a:b])           # from +0, in element order
+    slx, sl2 = sums[0], sums[1]
+    # each candidate's sumlx / (suml2 or 1): adding (suml2 == 0) leaves every other suml2 as it is
+    ratio = torch.div(slx, sl2 + (sl2 == 0).float(), out=gain[:, 1])
+    # the first guess: scale = suml2 ? sumlx/suml2 : 0, best = scale*sumlx
+    ratio[0] = select(select_mask(sl2[0] != 0), ratio[0], torch.zeros_like(one))
+    torch.mul(ratio, slx, out=gain[:, 0])
+    sq = slx * slx
+    pos = sl2 > 0
+    state = gain[0].clone()                                           # best, scale, iscale
+    for k in range(1, nc):
+        take = pos[k] & (sq[k] > state[0] * sl2[k])
+        state = select(select_mask(take), gain[k], state)
+    scale, isb = state[1], state[2]
+    lt = torch.mul(x.t(), isb.unsqueeze(1))                           # [G, n]: the winner's levels
+    torch.round(lt, out=lt).clamp_(-nmax, nmax - 1).add_(nmax)
+    lt.mul_((~zero).float().unsqueeze(1))                             # small integers: exact; zero groups 0
+    scale = select(select_mask(zero), torch.zeros_like(one), scale)
+    return scale, lt.to(torch.int32).t()
 
 
 # ----------------------------------------------------------------------------- imatrix argument
@@ -340,8 +392,8 @@ class Q6_K(CheckedInput, Format):
             w = None
             if imatrix is not None:
                 im = imatrix_arg(imatrix, shape, self.name, x.device)
-                w = im.reshape(-1, SUB).t().contiguous()
-            scale, L = make_qx_quants(x.reshape(-1, SUB).t().contiguous(), 32, w)
+                w = im.reshape(-1, SUB).t()
+            scale, L = make_qx_quants(x.reshape(-1, SUB).t(), 32, w)
             scale = scale.reshape(nsb, 16)
             L = L.t().reshape(nsb, 16, SUB)
             max_abs = torch.zeros(nsb, dtype=torch.float32, device=x.device)

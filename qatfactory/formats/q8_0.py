@@ -59,9 +59,21 @@ def round_half_away_np(v: np.ndarray) -> np.ndarray:
     return t + np.sign(v) * (np.abs(frac) >= np.float32(0.5))
 
 
+_BELOW_HALF = float(np.nextafter(np.float32(0.5), np.float32(0)))   # 0.5 - 2^-25
+
+
+def round_half_away_(v: torch.Tensor) -> torch.Tensor:
+    """C ``roundf`` on float32, in place: trunc(v + copysign(0.5 - 2^-25, v)), exact for every
+    float32 (NaN aside). For |v| < 0.5 the sum stays below 1 (at most 1 - 2^-24, exact); for
+    0.5 <= |v| < 2^23 the sum's one rounding cannot cross the next integer except at the tie
+    v = k + 0.5, where it lands on k + 1 (1 - 2^-25 rounds to 1, even; above 1 the spacing is at
+    least 2^-23); from 2^23 on v is an integer and the sum rounds back to it. Three vectorised
+    ops instead of the seven of the trunc-and-compare form."""
+    return v.add_(torch.copysign(torch.full((), _BELOW_HALF, dtype=v.dtype, device=v.device), v)).trunc_()
+
+
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
-    t = torch.trunc(v)
-    return t + torch.sign(v) * ((v - t).abs() >= 0.5).to(v.dtype)
+    return round_half_away_(v.clone())
 
 
 def as_float32(x, name: str) -> torch.Tensor:
@@ -136,6 +148,11 @@ SPEC = FormatSpec(
 
 
 class Q8_0(CheckedInput, Format):
+    # blocks per pass on CPU: each pass's temporaries stay near L2 size and are reused by the
+    # allocator, where whole-tensor temporaries (the 49152x576 embedding: 113 MB each) cost their
+    # page faults on every call
+    chunk_blocks = 4096
+
     # -- numpy reference: the C loop, vectorised across blocks only -------------------------
     def quantize_ref(self, x: np.ndarray, imatrix=None, **kw) -> np.ndarray:
         x = self._prep_np(x)
@@ -172,30 +189,43 @@ class Q8_0(CheckedInput, Format):
         x = self._prep(x)
         shape = tuple(x.shape)
         nb = shape[-1] // QK
-        xb = x.reshape(*shape[:-1], nb, QK)
+        xb = x.reshape(-1, QK)
+        n = xb.shape[0]
+        codes = torch.empty((n, QK), dtype=torch.int8, device=x.device)
         if scales is None:
-            am = xb.abs().amax(dim=-1)  # a max is exact in any order
-            d = tdiv(am, 127.0)
-            id_ = torch.where(d != 0, tdiv(1.0, torch.where(d != 0, d, torch.ones_like(d))), torch.zeros_like(d))
-            d16 = fp16_round(d)
+            d16 = torch.empty(n, dtype=torch.float32, device=x.device)
         else:
-            d16 = fp16_scales_arg(scales, shape[:-1] + (nb,), x.device, self.name)
-            id_ = torch.where(d16 != 0, tdiv(1.0, torch.where(d16 != 0, d16, torch.ones_like(d16))),
-                              torch.zeros_like(d16))
-        q = round_half_away(xb * id_.unsqueeze(-1)).clamp_(-127, 127)
-        return PackedTensor(self.name, shape, q.to(torch.int8).reshape(shape), d16.to(torch.float16))
+            d16 = fp16_scales_arg(scales, shape[:-1] + (nb,), x.device, self.name).reshape(-1)
+        step = n if x.is_cuda else self.chunk_blocks
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            xc = xb[a:b]
+            if scales is None:
+                d = tdiv(xc.abs().amax(dim=-1), 127.0)  # a max is exact in any order
+                d16[a:b] = fp16_round(d)
+            else:
+                d = d16[a:b]
+            id_ = torch.where(d != 0, tdiv(1.0, torch.where(d != 0, d, torch.ones_like(d))), torch.zeros_like(d))
+            codes[a:b] = round_half_away_(xc * id_.unsqueeze(-1)).clamp_(-127, 127)
+        return PackedTensor(self.name, shape, codes.reshape(shape), d16.to(torch.float16).reshape(*shape[:-1], nb))
 
     def dequantize(self, p: PackedTensor) -> torch.Tensor:
-        nb = p.shape[-1] // QK
-        q = p.codes.reshape(*p.shape[:-1], nb, QK).float()
-        return (q * p.scales.float().unsqueeze(-1)).reshape(p.shape)
+        q = p.codes.reshape(-1, QK)
+        d = p.scales.reshape(-1, 1).float()
+        if q.is_cuda:
+            return (q.float() * d).reshape(p.shape)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        for a in range(0, q.shape[0], self.chunk_blocks):
+            b = a + self.chunk_blocks
+            torch.mul(q[a:b].float(), d[a:b], out=out[a:b])
+        return out.reshape(p.shape)
 
     def clip_mask(self, x: torch.Tensor, p: PackedTensor) -> torch.Tensor:
         x = as_float32(x, self.name)
         nb = p.shape[-1] // QK
         d = p.scales.float().to(x.device).unsqueeze(-1)
         id_ = torch.where(d != 0, tdiv(1.0, torch.where(d != 0, d, torch.ones_like(d))), torch.zeros_like(d))
-        v = round_half_away(x.reshape(*p.shape[:-1], nb, QK) * id_)
+        v = round_half_away_(x.reshape(*p.shape[:-1], nb, QK) * id_)
         return (v.abs() <= 127).reshape(p.shape)
 
     def to_bytes(self, p: PackedTensor) -> np.ndarray:

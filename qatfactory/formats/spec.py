@@ -185,7 +185,16 @@ class Format:
 
     @staticmethod
     def check_finite(name: str, x) -> None:
-        finite = torch.isfinite(x).all() if isinstance(x, torch.Tensor) else np.isfinite(x).all()
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.numel():
+                # min and max propagate NaN, and +-Inf is the max or the min: one reduction pass,
+                # where isfinite().all() writes a mask first (10x slower on CPU here)
+                lo, hi = torch.aminmax(x.detach())
+                finite = torch.isfinite(lo) & torch.isfinite(hi)
+            else:
+                finite = torch.isfinite(x).all()
+        else:
+            finite = np.isfinite(x).all()
         if not bool(finite):
             raise ValueError(f"{name}: input contains NaN or Inf; this format defines no encoding for "
                              f"them in the engine's reference, so it refuses rather than return garbage")

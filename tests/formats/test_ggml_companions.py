@@ -177,6 +177,31 @@ def test_bytes_match_libggml_with_imatrix(fmt):
     assert total >= 500_000
 
 
+@pytest.mark.parametrize("fmt", IMATRIX_FORMATS)
+@pytest.mark.parametrize("cols", [None, 7])
+def test_imatrix_search_in_uneven_passes(fmt, cols, monkeypatch):
+    """The torch candidate search runs in passes of ``QX_COLS_CPU`` groups: SmolLM2's 576-wide rows
+    (q5_0, llama-quantize's fallback of Q4_K) give group counts that are no multiple of it, so the
+    last pass is short. Bytes vs libggml at the real width with the real pass size, and with a
+    pass of 7 groups x 3 candidates (many passes, short last ones) on live, zero and tiny groups."""
+    import qatfactory.formats.q6_k as q6
+    if cols is not None:
+        monkeypatch.setattr(q6, "QX_COLS_CPU", cols)
+        monkeypatch.setattr(q6, "QX_CANDS_CPU", 3)   # 19 candidates: 6 groups of 3 and one of 1
+    rng = np.random.default_rng(21)
+    k = 576 if fmt == "q5_0" else 768
+    rows = 37 if cols is None else 5         # 666 / 1776 groups, or 90 / 240 in passes of 7
+    x = (rng.standard_normal((rows, k)) * 0.02).astype(np.float32)
+    xb = x.reshape(-1, 16)
+    xb[::5] = 0.0
+    xb[3::11] *= np.float32(1e-6)
+    im = (rng.random(k) ** 2).astype(np.float32)
+    im[rng.random(k) < 0.1] = 0.0
+    what = f"{rows}x{k}, passes of {cols or q6.QX_COLS_CPU} groups"
+    check_case(fmt, x, im, what + " +imatrix")
+    check_case(fmt, x, None, what)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_row_ref_and_3d(fmt):
     """quantize_row_<t>_ref on one flat row == chunk bytes; 3-D input (experts) with a
@@ -348,6 +373,29 @@ def test_bad_k_names_format_block_and_fallback(fmt):
         assert fmt in msg and str(sb) in msg and FALLBACK_WORD[fmt] in msg, msg
     with pytest.raises(ValueError, match=str(sb)):
         f.quantize_ref(x.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_finite_sees_every_position(dtype):
+    """The input check (one min/max pass) refuses NaN, +Inf and -Inf wherever they sit (first and
+    last element, vector lanes and tails, a non-contiguous view) and passes finite extremes."""
+    from qatfactory.formats.spec import Format
+    big = torch.finfo(dtype).max
+    for n in (1, 2, 15, 16, 17, 31, 33, 64, 127, 129, 4097):
+        for pos in sorted({0, n // 2, n - 1}):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                x = torch.randn(n).to(dtype)
+                x[pos] = bad
+                with pytest.raises(ValueError, match="NaN or Inf"):
+                    Format.check_finite("t", x)
+    ok = torch.tensor([big, -big, 0.0, -0.0, torch.finfo(dtype).tiny / 4, 1.0]).to(dtype)
+    Format.check_finite("t", ok)
+    x = torch.randn(8, 66).to(dtype)
+    x[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        Format.check_finite("t", x[:, 1:])
+    Format.check_finite("t", x[:, 2:])
+    Format.check_finite("t", torch.empty(0, dtype=dtype))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
