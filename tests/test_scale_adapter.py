@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from qatfactory.formats import get_format
-from qatfactory.nn.scale_adapter import (E8M0_MAX_CHANGED, ScaleAdapterConfig, ScaleAdapterLinear,
-                                        default_max_changed, limit_changed, scale_stats)
+from qatfactory.nn.scale_adapter import (E4M3_MAX_CHANGED, E8M0_MAX_CHANGED, ScaleAdapterConfig,
+                                        ScaleAdapterLinear, default_max_changed, limit_changed, scale_stats)
 
 FMTS = ["nvfp4", "mxfp4", "nvfp4_ggml", "mxfp4_ggml"]
 
@@ -188,8 +188,8 @@ def test_limit_changed_keeps_the_largest_offsets_and_puts_the_rest_back_on_the_b
 
 def test_default_limit_and_config():
     assert default_max_changed("mxfp4") == default_max_changed("mxfp4_ggml") == E8M0_MAX_CHANGED
-    assert default_max_changed("nvfp4") == default_max_changed("nvfp4_ggml") == 1.0
-    assert default_max_changed("mxfp4", "lowrank") == 1.0
+    assert default_max_changed("nvfp4") == default_max_changed("nvfp4_ggml") == E4M3_MAX_CHANGED
+    assert default_max_changed("mxfp4", "lowrank") == default_max_changed("nvfp4", "lowrank") == 1.0
     for bad, msg in ((1.5, "max_changed=1.5"), (-0.1, "max_changed=-0.1"), (True, "max_changed=True")):
         with pytest.raises(ValueError, match=msg):
             ScaleAdapterConfig(max_changed=bad).validate()
@@ -198,28 +198,30 @@ def test_default_limit_and_config():
     ScaleAdapterConfig(max_changed=1.0, param="lowrank").validate()
 
 
-def _teacher_run(cap, seed, steps=60, lr=5e-2):
-    """A 64x1024 MXFP4 layer regressed onto a teacher whose block scales are the base's times 2^tau: tau a
-    sub-half step (0.15..0.4, either sign) for every block, a whole step (+1) for six of them. AdamW at the
-    benchmark's MXFP4 rate, fresh inputs each step; ``cap`` applied after every update, as the loops do."""
+def _teacher_run(cap, seed, steps=60, lr=1e-1, out=96, k=2048):
+    """A 96x2048 MXFP4 layer (6144 blocks) regressed onto a teacher whose block scales are the base's times
+    2^tau: tau a sub-half step (0.15..0.4, either sign) for every block, a whole step (+1) for six of them.
+    AdamW at the benchmark's MXFP4 rate, fresh inputs each step; ``cap`` applied after every update, as the
+    loops do."""
     g = torch.Generator().manual_seed(seed)
     f = get_format("mxfp4")
-    p = f.quantize(torch.randn(64, 1024, generator=g) * 0.05)
-    mod = ScaleAdapterLinear("mxfp4", p.codes, p.scales, None, (64, 1024), name="m")
+    p = f.quantize(torch.randn(out, k, generator=g) * 0.05)
+    mod = ScaleAdapterLinear("mxfp4", p.codes, p.scales, None, (out, k), name="m")
     model = torch.nn.Sequential(mod)
-    tau = (torch.rand(64, 32, generator=g) * 0.25 + 0.15) * torch.where(torch.rand(64, 32, generator=g) < 0.5, -1.0, 1.0)
+    nb = k // 32
+    tau = (torch.rand(out, nb, generator=g) * 0.25 + 0.15) * torch.where(torch.rand(out, nb, generator=g) < 0.5, -1.0, 1.0)
     whole = torch.randperm(tau.numel(), generator=g)[:6]
     tau.view(-1)[whole] = 1.0
-    teacher = (f.dequantize(p).view(64, 32, 32) * torch.exp2(tau)[..., None]).view(64, 1024)
+    teacher = (f.dequantize(p).view(out, nb, 32) * torch.exp2(tau)[..., None]).view(out, k)
     opt = torch.optim.AdamW([mod.theta], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    xe = torch.randn(256, 1024, generator=g)
+    xe = torch.randn(256, k, generator=g)
 
     def held_out():
         with torch.no_grad():
             return float(F.mse_loss(mod(xe), xe @ teacher.t()))
     first, peak = held_out(), 0.0
     for _ in range(steps):
-        x = torch.randn(32, 1024, generator=g)
+        x = torch.randn(32, k, generator=g)
         loss = F.mse_loss(mod(x), x @ teacher.t())
         opt.zero_grad()
         loss.backward()

@@ -51,8 +51,11 @@ def _metrics(run_dir):
 def test_train_merge_export_passes_the_gate_with_the_code_plane_hook(base, tmp_path):
     from qatfactory.ship import train_and_ship as run
     from qatfactory.train.config import compose
+    # no trust region here (max_changed=1): the random toy gains from moving many bytes, and a merge with
+    # many new bytes tests the gate harder; the limit has its own test below
     s = run(compose(_common(base) + ["train.max_steps=12", "train.micro_batch=4", "export=vllm",
-                                     "export.flavour=compressed-tensors", f"run_dir={tmp_path / 'r'}"]))
+                                     "method.scale.max_changed=1", "export.flavour=compressed-tensors",
+                                     f"run_dir={tmp_path / 'r'}"]))
     s.pop("engine").destroy()
     assert s["verify"]["verdict"] == "PASS", s["verify"]
     assert s["code_plane"]["export"] == s["code_plane"]["base"] == N.read_native(base / "base").code_plane_sha256()

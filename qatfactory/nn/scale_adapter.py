@@ -43,9 +43,11 @@ from ..formats import PackedTensor, get_format
 PARAMS = ("dense", "lowrank")
 STES = ("continuous", "rounded")
 _LN2 = math.log(2.0)
-# the default trust region on a power-of-two (E8M0, MXFP4) grid: at most this fraction of the trained blocks
-# may hold a scale byte that differs from the base's (limit_changed; why: its docstring)
-E8M0_MAX_CHANGED = 0.003
+# the default trust region per scale grid: at most this fraction of the trained blocks may hold a scale byte
+# that differs from the base's (limit_changed; why, and the measurements: its docstring)
+E8M0_MAX_CHANGED = 0.001        # MXFP4: one step doubles or halves a whole block
+E4M3_MAX_CHANGED = 0.01         # NVFP4: one step is 6-12 %
+_MAX_CHANGED = {"e8m0": E8M0_MAX_CHANGED, "e4m3": E4M3_MAX_CHANGED, "ue4m3_ggml": E4M3_MAX_CHANGED}
 
 
 @dataclass
@@ -69,8 +71,8 @@ class ScaleAdapterConfig:
     def validate(self) -> "ScaleAdapterConfig":
         m = self.max_changed
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0):
-            raise ValueError(f"method.scale.max_changed={m!r}; allowed: null (auto: {E8M0_MAX_CHANGED} on a "
-                             f"power-of-two E8M0 grid, 1 = no limit otherwise) or a fraction in 0..1")
+            raise ValueError(f"method.scale.max_changed={m!r}; allowed: null (auto: {E8M0_MAX_CHANGED} on MXFP4's "
+                             f"E8M0 grid, {E4M3_MAX_CHANGED} on NVFP4's E4M3) or a fraction in 0..1 (1 = no limit)")
         if m is not None and m < 1.0 and self.param != "dense":
             raise ValueError(f"method.scale.max_changed={m!r} needs method.scale.param=dense (a low-rank U @ V "
                              f"offset cannot be pulled back block by block); use max_changed=1 with lowrank")
@@ -262,9 +264,9 @@ def scale_stats(model: nn.Module) -> Dict[str, float]:
 
 
 def default_max_changed(fmt_name: str, param: str = "dense") -> float:
-    """``max_changed`` when the config leaves it None: E8M0_MAX_CHANGED for a dense offset on a power-of-two
-    (E8M0) scale grid, 1.0 (no limit) otherwise (E4M3 steps are 6-12 %; a low-rank offset cannot be pulled back)."""
-    return E8M0_MAX_CHANGED if get_format(fmt_name).spec.scale_codec == "e8m0" and param == "dense" else 1.0
+    """``max_changed`` when the config leaves it None: E8M0_MAX_CHANGED on MXFP4's E8M0 grid, E4M3_MAX_CHANGED
+    on NVFP4's E4M3 (either encoder); 1.0 (no limit) for a low-rank offset, which cannot be pulled back."""
+    return _MAX_CHANGED.get(get_format(fmt_name).spec.scale_codec, 1.0) if param == "dense" else 1.0
 
 
 @torch.no_grad()
@@ -276,12 +278,16 @@ def limit_changed(model: nn.Module, fraction: float) -> int:
     many offsets it pulled back (0: nothing to do). The forward, the merge and the scale file all read theta,
     so they agree with each other after it as before.
 
-    Why (issue 18b): AdamW moves every offset whose gradient keeps its sign by about lr per step, whatever the
-    gradient's size, and on E8M0 every block starts on the grid with its rounding boundary at |theta| = 1/2, so
-    all of them cross together at step 1/(2 lr), each a factor of 2 on a whole block (H200, SmolLM2-135M, batch
-    32, lr 2e-2: the loss flat for 25 steps, then 1.7 -> 6.0 -> 10.8; 32 % of the bytes changed, held-out NLL
-    1.70 -> 4.18). Flipping even the 100 blocks with the largest gradients at once doubles the held-out NLL,
-    while a few thousand flips chosen by the optimizer under this limit lower it (benchmarks/RESULTS.md)."""
+    Why (issue 18b; numbers in benchmarks/RESULTS.md): AdamW moves every offset whose gradient keeps its sign
+    by about lr per step, whatever the gradient's size, and every block starts on the grid, so offsets reach
+    their rounding boundary together: on E8M0 (boundary |theta| = 1/2 for every block) at step 1/(2 lr), each a
+    factor of 2 on a whole block. H200, SmolLM2-135M MXFP4, batch 32, lr 2e-2, no limit: the loss flat for 25
+    steps, then 1.7 -> 6.0 -> 10.8, held-out NLL 1.70 -> 4.18 with 32 % of the bytes changed; on CPU 17 % of
+    the bytes flipped in one step. The gradient is right (single flips along it lower the loss, against it
+    raise it), but many flips at once interact: flipping even the 100 blocks with the largest mean gradient
+    raises the held-out NLL 1.77 -> 4.2. Under this limit the optimizer's largest offsets compete for few
+    slots and a flip that hurts loses its slot (CPU, 30 steps: MXFP4 NLL 1.64 -> 1.22 at 0.1 %; NVFP4 1.35 ->
+    1.09 at 1 %, where the unlimited run changed 47 % of its bytes and ended at the base's NLL)."""
     if fraction >= 1.0:
         return 0
     mods = [m for m in modules(model).values() if any(p.requires_grad for p in m.trainable())]
