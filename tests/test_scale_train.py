@@ -51,8 +51,11 @@ def _metrics(run_dir):
 def test_train_merge_export_passes_the_gate_with_the_code_plane_hook(base, tmp_path):
     from qatfactory.ship import train_and_ship as run
     from qatfactory.train.config import compose
+    # no trust region here (max_changed=1): the random toy gains from moving many bytes, and a merge with
+    # many new bytes tests the gate harder; the limit has its own test below
     s = run(compose(_common(base) + ["train.max_steps=12", "train.micro_batch=4", "export=vllm",
-                                     "export.flavour=compressed-tensors", f"run_dir={tmp_path / 'r'}"]))
+                                     "method.scale.max_changed=1", "export.flavour=compressed-tensors",
+                                     f"run_dir={tmp_path / 'r'}"]))
     s.pop("engine").destroy()
     assert s["verify"]["verdict"] == "PASS", s["verify"]
     assert s["code_plane"]["export"] == s["code_plane"]["base"] == N.read_native(base / "base").code_plane_sha256()
@@ -68,6 +71,44 @@ def test_train_merge_export_passes_the_gate_with_the_code_plane_hook(base, tmp_p
     for n, p in out.packed.items():
         assert torch.equal(p.codes, ck.packed[n].codes) and torch.equal(p.scales, tens[n])
     assert s["scale_file_bytes"] < 0.1 * s["checkpoint_bytes"]
+
+
+@pytest.fixture(scope="module")
+def mx_base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scale_train_mx")
+    export(student("llama", "mxfp4"), d / "base", engine="vllm", flavour="compressed-tensors")
+    (d / "data.txt").write_text("\n".join(TEXT * 40))
+    return d
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_mxfp4_changed_bytes_stay_within_max_changed_and_the_masters_see_it(mx_base, tmp_path, capsys, zero):
+    # MXFP4 (E8M0): the loop pulls offsets back after every step (nn.scale_adapter.limit_changed); under
+    # ZeRO-1 (fp32 master copies in the optimizer) the masters must hold the pulled-back offsets too, or the
+    # next step would undo the pull-back from the optimizer's side
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from qatfactory.nn import scale_adapter as SA
+    from qatfactory.train.config import compose
+    from qatfactory.train.engine import run
+    cap = 0.02
+    s = run(compose(_common(mx_base) + ["train.max_steps=8", "train.micro_batch=4", "train.lr=2e-1",
+                                        f"train.zero_stage={zero}", f"method.scale.max_changed={cap}",
+                                        f"run_dir={tmp_path / 'r'}"]))
+    eng = s.pop("engine")
+    assert "changed scale bytes: at most 2.00% of the blocks" in capsys.readouterr().out
+    steps = [r for r in _metrics(tmp_path / "r") if "loss" in r]
+    assert len(steps) == 8 and all(r["scales/changed"] <= cap for r in steps)
+    assert sum(r["scales/pulled_back"] for r in steps) > 0 and s["eval_last"]["scales/changed"] > cap / 2
+    lm = s["student"].model
+    for p in SA.parameters(lm):      # stage 0 in fp32: no master copies, the torch optimizer steps theta itself
+        fp = safe_get_full_fp32_param(p)
+        assert (fp is None) == (zero == 0)
+        assert fp is None or torch.equal(fp.cpu().view_as(p), p.detach().float().cpu())
+    eng.destroy()
+    tens, _ = N.load_scale_file(s["scale_file"], N.read_native(mx_base / "base"))
+    assert sum(int((tens[k] != p.scales).sum()) for k, p in N.read_native(mx_base / "base").packed.items()) \
+        <= cap * sum(t.numel() for t in tens.values())
 
 
 def _port():

@@ -21,8 +21,11 @@ Arms, in one harness (same batches, same loop, plain AdamW, float32):
                      once; + the rule-sensitivity test: the same fp32 sum re-quantized with a second
                      nearest-rounding variant (NVFP4: E2M1 ties toward zero; scale with one division;
                      ggml's scale-less NVFP4 as an extreme case. MXFP4: RCEIL and EVEN against FLOOR)
-    A3 scale         method=scale_adapter (nn/scale_adapter.py on native.build_model); merge = new scale
-                     bytes, codes copied; exported and checked by the gate + its code-plane hook
+    A3 scale         method=scale_adapter (nn/scale_adapter.py on native.build_model), AdamW plus the trust
+                     region nn.scale_adapter.limit_changed after each step (at most 1 % of the NVFP4 / 0.1 % of
+                     the MXFP4 blocks off the base's byte; without it AdamW flips them in lockstep and the
+                     MXFP4 arm diverged on the H200, RESULTS.md); merge = new scale bytes, codes copied;
+                     exported and checked by the gate + its code-plane hook
 
 Per arm: held-out NLL of the gold solution, greedy format compliance and exact match (unmerged and merged;
 the headline is merged minus unmerged), fraction of codes and scales the merge changed vs the base, the
@@ -163,12 +166,14 @@ def masked_ce(model, ids, attn, mask) -> torch.Tensor:
     return (ce * m.reshape(-1)).sum() / m.sum().clamp(min=1)
 
 
-def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: int = 0) -> Dict[str, Any]:
-    """The one loop every arm trains with: AdamW, CE on the answer tokens, the same batch order."""
+def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: int = 0,
+        after_step: Callable[[], int] = None) -> Dict[str, Any]:
+    """The one loop every arm trains with: AdamW, CE on the answer tokens, the same batch order;
+    ``after_step`` (the scale arm's trust region, nn.scale_adapter.limit_changed) runs after each update."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     order: List[int] = []
-    losses, times = [], []
+    losses, times, pulled = [], [], []
     model.train()
     for s in range(steps):
         while len(order) < batch:
@@ -182,13 +187,18 @@ def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: in
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if after_step is not None:
+            pulled.append(after_step())
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     model.eval()
     warm = times[2:] or times
-    return {"loss": losses, "step_s_median": statistics.median(warm), "steps": steps}
+    out = {"loss": losses, "step_s_median": statistics.median(warm), "steps": steps}
+    if after_step is not None:
+        out["pulled_back"] = pulled
+    return out
 
 
 @torch.no_grad()
@@ -338,9 +348,14 @@ def arm_scale(ck, base_cm, tok, tr, args, device, style_seed: int = 0) -> Dict[s
     from qatfactory.nn import scale_adapter as SA
     m = N.build_model(ck).to(device)
     params = SA.parameters(m)
-    lr = args.scale_lr_nvfp4 if ck.layout == "nvfp4" else args.scale_lr_mxfp4
-    run = sft(m, params, tr, args.steps, args.batch, lr, device, args.seed + style_seed)
+    nv = ck.layout == "nvfp4"
+    lr = args.scale_lr_nvfp4 if nv else args.scale_lr_mxfp4
+    cap = getattr(args, "scale_max_changed_nvfp4" if nv else "scale_max_changed_mxfp4", None)
+    cap = SA.default_max_changed(ck.base_format) if cap is None else cap
+    run = sft(m, params, tr, args.steps, args.batch, lr, device, args.seed + style_seed,
+              after_step=lambda: SA.limit_changed(m, cap))
     run["scales"] = SA.scale_stats(m)
+    run["lr"], run["max_changed"] = lr, cap
     return {"model": m, "run": run, "merge": lambda: N.merged_converted(m, ck), "rho": None}
 
 
@@ -557,8 +572,15 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--lora-lr", type=float, default=2e-4)
-    ap.add_argument("--scale-lr-nvfp4", type=float, default=3e-3)
-    ap.add_argument("--scale-lr-mxfp4", type=float, default=2e-2)
+    ap.add_argument("--scale-lr-nvfp4", type=float, default=1e-2,
+                    help="AdamW on the log2 offsets (CPU sweep, RESULTS.md: 1e-2 with the 1 %% limit)")
+    ap.add_argument("--scale-lr-mxfp4", type=float, default=1e-1,
+                    help="the first E8M0 byte moves at step ~1/(2 lr): 1e-1 starts at ~5 of 63 (CPU sweep, RESULTS.md)")
+    ap.add_argument("--scale-max-changed-nvfp4", type=float, default=None,
+                    help="trust region (nn.scale_adapter.limit_changed): the most blocks off the base's byte, a "
+                         "fraction; default E4M3_MAX_CHANGED (0.01); 1 = no limit")
+    ap.add_argument("--scale-max-changed-mxfp4", type=float, default=None,
+                    help="the same on MXFP4's E8M0 grid; default E8M0_MAX_CHANGED (0.001)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)

@@ -43,6 +43,11 @@ from ..formats import PackedTensor, get_format
 PARAMS = ("dense", "lowrank")
 STES = ("continuous", "rounded")
 _LN2 = math.log(2.0)
+# the default trust region per scale grid: at most this fraction of the trained blocks may hold a scale byte
+# that differs from the base's (limit_changed; why, and the measurements: its docstring)
+E8M0_MAX_CHANGED = 0.001        # MXFP4: one step doubles or halves a whole block
+E4M3_MAX_CHANGED = 0.01         # NVFP4: one step is 6-12 %
+_MAX_CHANGED = {"e8m0": E8M0_MAX_CHANGED, "e4m3": E4M3_MAX_CHANGED, "ue4m3_ggml": E4M3_MAX_CHANGED}
 
 
 @dataclass
@@ -52,7 +57,8 @@ class ScaleAdapterConfig:
     base's bytes identically, else a format-mismatch error); ``param``: dense theta per block or low-rank
     U @ V (``rank``); ``ste``: gradient through the continuous or the rounded scale; ``targets``: fnmatch
     patterns of the 4-bit linears that train (the others stay at the base's bytes); ``task``: a label
-    written into the scale file."""
+    written into the scale file; ``max_changed``: the trust region of ``limit_changed`` (the most trained
+    blocks whose byte may differ from the base, as a fraction), None = ``default_max_changed``."""
 
     target: str = "auto"
     param: str = "dense"
@@ -60,8 +66,16 @@ class ScaleAdapterConfig:
     ste: str = "continuous"
     targets: List[str] = field(default_factory=lambda: ["*"])
     task: str = ""
+    max_changed: Optional[float] = None
 
     def validate(self) -> "ScaleAdapterConfig":
+        m = self.max_changed
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0):
+            raise ValueError(f"method.scale.max_changed={m!r}; allowed: null (auto: {E8M0_MAX_CHANGED} on MXFP4's "
+                             f"E8M0 grid, {E4M3_MAX_CHANGED} on NVFP4's E4M3) or a fraction in 0..1 (1 = no limit)")
+        if m is not None and m < 1.0 and self.param != "dense":
+            raise ValueError(f"method.scale.max_changed={m!r} needs method.scale.param=dense (a low-rank U @ V "
+                             f"offset cannot be pulled back block by block); use max_changed=1 with lowrank")
         if self.param not in PARAMS:
             raise ValueError(f"method.scale.param={self.param!r}; allowed: {list(PARAMS)}")
         if self.ste not in STES:
@@ -247,3 +261,68 @@ def scale_stats(model: nn.Module) -> Dict[str, float]:
     n = max(tot["blocks"], 1.0)
     return {"scales/changed": tot["changed"] / n, "scales/saturated": tot["clamped"] / n,
             "scales/abs_theta": tot["abs_theta_sum"] / n, "scales/blocks": tot["blocks"]}
+
+
+def default_max_changed(fmt_name: str, param: str = "dense") -> float:
+    """``max_changed`` when the config leaves it None: E8M0_MAX_CHANGED on MXFP4's E8M0 grid, E4M3_MAX_CHANGED
+    on NVFP4's E4M3 (either encoder); 1.0 (no limit) for a low-rank offset, which cannot be pulled back."""
+    return _MAX_CHANGED.get(get_format(fmt_name).spec.scale_codec, 1.0) if param == "dense" else 1.0
+
+
+@torch.no_grad()
+def limit_changed(model: nn.Module, fraction: float) -> int:
+    """A trust region on the scale bytes, applied after every optimizer step: at most ``fraction`` of the trained
+    blocks may hold a byte that differs from the base's. The changed blocks with the largest |theta| keep their
+    offsets; the others are pulled back inside their base byte's rounding interval (E8M0: |theta| <= 1/2, which
+    rounds half to even onto the base byte; any other grid: halved until the byte is the base's). Returns how
+    many offsets it pulled back (0: nothing to do). The forward, the merge and the scale file all read theta,
+    so they agree with each other after it as before.
+
+    Why (issue 18b; numbers in benchmarks/RESULTS.md): AdamW moves every offset whose gradient keeps its sign
+    by about lr per step, whatever the gradient's size, and every block starts on the grid, so offsets reach
+    their rounding boundary together: on E8M0 (boundary |theta| = 1/2 for every block) at step 1/(2 lr), each a
+    factor of 2 on a whole block. H200, SmolLM2-135M MXFP4, batch 32, lr 2e-2, no limit: the loss flat for 25
+    steps, then 1.7 -> 6.0 -> 10.8, held-out NLL 1.70 -> 4.18 with 32 % of the bytes changed; on CPU 17 % of
+    the bytes flipped in one step. The gradient is right (single flips along it lower the loss, against it
+    raise it), but many flips at once interact: flipping even the 100 blocks with the largest mean gradient
+    raises the held-out NLL 1.77 -> 4.2. Under this limit the optimizer's largest offsets compete for few
+    slots and a flip that hurts loses its slot (CPU, 30 steps: MXFP4 NLL 1.64 -> 1.22 at 0.1 %; NVFP4 1.35 ->
+    1.09 at 1 %, where the unlimited run changed 47 % of its bytes and ended at the base's NLL)."""
+    if fraction >= 1.0:
+        return 0
+    mods = [m for m in modules(model).values() if any(p.requires_grad for p in m.trainable())]
+    low = [m.qname for m in mods if m.param != "dense"]
+    if low:
+        raise ValueError(f"limit_changed: {low[0]} has a low-rank offset (U @ V), which cannot be pulled back "
+                         f"block by block; use max_changed=1 with param=lowrank")
+    if not mods:
+        return 0
+    changed = [m.fmt.shift_scales(m.scales0, m.theta)[0] != m.scales0 for m in mods]
+    n_changed = sum(int(c.sum()) for c in changed)
+    k = int(fraction * sum(m.theta.numel() for m in mods))
+    if n_changed <= k:
+        return 0
+    # rank the changed blocks by |theta|; exactly k keep theirs (ties broken by position, the same on every rank)
+    score = torch.cat([torch.where(c, m.theta.detach().abs().float(), torch.full_like(m.theta, -1.0, dtype=torch.float32))
+                       .reshape(-1) for m, c in zip(mods, changed)])
+    keep = torch.zeros_like(score, dtype=torch.bool)
+    if k > 0:
+        keep[torch.topk(score, k, sorted=False).indices] = True
+    pulled, o = 0, 0
+    for m, c in zip(mods, changed):
+        n = m.theta.numel()
+        sel = c & ~keep[o:o + n].view_as(c).to(c.device)
+        o += n
+        if not bool(sel.any()):
+            continue
+        t = torch.where(sel, m.theta.clamp(-0.5, 0.5), m.theta)
+        for _ in range(32):
+            still = sel & (m.fmt.shift_scales(m.scales0, t)[0] != m.scales0)
+            if not bool(still.any()):
+                break
+            t = torch.where(still, t * 0.5, t)
+        else:
+            t = torch.where(still, torch.zeros_like(t), t)
+        m.theta.copy_(t)
+        pulled += int(sel.sum())
+    return pulled

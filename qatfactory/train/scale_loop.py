@@ -7,7 +7,7 @@ like rl_loop.py; it reuses the trainer's distributed init, the loss module (Stud
 the masked targets, e.g. the assistant turn of chat records), evaluation, DeepSpeed config, LR schedule,
 logger and run-directory rules, and returns its student (``summary["student"]``) for the face to ship.
 
-    run_dir/config.yaml, metrics.jsonl (+ scales/changed, scales/saturated, scales/abs_theta per step)
+    run_dir/config.yaml, metrics.jsonl (+ scales/changed, scales/saturated, scales/abs_theta, scales/pulled_back)
     run_dir/scales.safetensors   the task's scale bytes (native.save_scale_file): the merge, a few % of the
                                  checkpoint, applies onto the base's code plane (``qatfactory scales``)
     run_dir/export-<engine>/     when export.enabled (shipped by the face, qatfactory.ship): the base's codes
@@ -17,7 +17,10 @@ logger and run-directory rules, and returns its student (``summary["student"]``)
 
 The model (native.build_model): every 4-bit linear a ScaleAdapterLinear (codes and scale bytes uint8
 buffers, so ZeRO neither casts nor partitions them; the per-tensor scale frozen, so still shared across
-fused shards), theta the only trainable tensors, everything else frozen. Refused: ZeRO-3, resume, a model
+fused shards), theta the only trainable tensors, everything else frozen. After every optimizer step
+nn.scale_adapter.limit_changed keeps at most method.scale.max_changed of the blocks off the base's bytes
+(auto: 0.3 % on MXFP4's power-of-two grid, where AdamW would otherwise flip thousands of blocks by a factor of
+2 in the same step; no limit on NVFP4's E4M3). Refused: ZeRO-3, resume, a model
 that is not a native NVFP4/MXFP4 checkpoint (one line, exit code 4). train.save_every is ignored (the
 scale file is written at the end).
 """
@@ -108,11 +111,14 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student = StudentLM(model, cfg.method.loss)
     params = [p for p in SA.parameters(model) if p.requires_grad]
+    max_changed = SA.default_max_changed(target, s.param) if s.max_changed is None else float(s.max_changed)
     if rank == 0:
         nb = ck.nbytes()
+        lim = "no limit" if max_changed >= 1 else f"at most {max_changed:.2%} of the blocks"
         print(f"[qatfactory] scale adapter on {ck.container} {ck.layout} ({ck.base_format} -> target {target}): "
               f"{len(SA.modules(model))} linears, {sum(p.numel() for p in params):,} trainable offsets "
-              f"({s.param}); codes {nb['codes']:,} B frozen, scales {nb['scales']:,} B", flush=True)
+              f"({s.param}); codes {nb['codes']:,} B frozen, scales {nb['scales']:,} B; changed scale bytes: "
+              f"{lim} (method.scale.max_changed)", flush=True)
     dcfg = ds_config(cfg, device, True)
     kw: Dict[str, Any] = {"model_parameters": params,
                           "lr_scheduler": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))}
@@ -150,6 +156,9 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().double()
+        pulled = SA.limit_changed(lm, max_changed)     # the same theta on every rank, so the same pull-back
+        if pulled:
+            _refresh_masters(engine)
         step += 1
         if world > 1:
             torch.distributed.all_reduce(loss_sum)
@@ -157,7 +166,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
         loss_v = float(loss_sum.cpu()) / t.grad_accum
         dt = time.time() - ts
         rec = {"step": step, "loss": loss_v, "lr": lr_now, "step_ms": dt * 1000.0,
-               "tokens_per_s": tokens_per_step / max(dt, 1e-9), "mem_gb": memory_gb()}
+               "tokens_per_s": tokens_per_step / max(dt, 1e-9), "mem_gb": memory_gb(), "scales/pulled_back": pulled}
         if step % t.log_every == 0 or step == t.max_steps:
             rec.update(SA.scale_stats(lm))       # also raises on a NaN offset (a diverged run)
             log.log(rec)
@@ -185,6 +194,14 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     summary["student"] = student
     summary["engine"] = engine
     return summary
+
+
+def _refresh_masters(engine) -> None:
+    """After limit_changed wrote theta in the module: the optimizer's own fp32 copies (DeepSpeed's ZeRO-1/2 and
+    bf16 wrappers keep them) re-read it, its moments kept; a plain torch optimizer steps the module's tensors."""
+    opt = engine.optimizer
+    if opt is not None and hasattr(opt, "refresh_fp32_params"):
+        opt.refresh_fp32_params()
 
 
 @torch.no_grad()
