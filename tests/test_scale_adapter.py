@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from qatfactory.formats import get_format
 from qatfactory.nn.scale_adapter import (E4M3_MAX_CHANGED, E8M0_MAX_CHANGED, ScaleAdapterConfig,
-                                        ScaleAdapterLinear, default_max_changed, limit_changed, scale_stats)
+                                        ScaleAdapterLinear, default_max_changed, frozen_weights, limit_changed,
+                                        scale_stats)
 
 FMTS = ["nvfp4", "mxfp4", "nvfp4_ggml", "mxfp4_ggml"]
 
@@ -243,3 +244,28 @@ def test_adamw_on_e8m0_flips_in_lockstep_and_the_default_limit_learns(seed):
     cap = default_max_changed("mxfp4")
     base, end, peak, found = _teacher_run(cap, seed)
     assert peak <= cap and end < base and found >= 4, (base, end, peak, found)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_frozen_weights_decodes_once_gives_the_same_outputs_and_refuses_training(name, monkeypatch):
+    mod, p, f = _layer(name)
+    with torch.no_grad():
+        mod.theta.copy_(torch.linspace(-0.7, 0.9, mod.theta.numel()).reshape(mod.theta.shape))
+    model = torch.nn.Sequential(mod)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        want = mod(x)
+    calls = []
+    real = type(f).dequantize
+    monkeypatch.setattr(type(f), "dequantize", lambda self, q, *a, **k: calls.append(1) or real(self, q, *a, **k))
+    with torch.no_grad(), frozen_weights(model):
+        got = [mod(x) for _ in range(4)] + [mod(x.double())]
+    assert all(torch.equal(g, want) for g in got[:4]) and got[4].dtype == torch.float64
+    assert len(calls) == 2                                         # once per (dtype, device), not per call
+    with frozen_weights(model), pytest.raises(RuntimeError, match="training forward inside frozen_weights"):
+        mod(x)
+    base = F.linear(x, f.dequantize(p))
+    calls.clear()
+    with torch.no_grad():                                          # outside: decoded afresh, the cache is gone
+        mod.theta.zero_()
+        assert torch.equal(mod(x), base) and len(calls) == 1

@@ -206,6 +206,7 @@ def evaluate(model, tok, data, prompts, golds, gen_tokens: int, batch: int, devi
     """Held-out NLL of the gold answers, and greedy generations: '#### N' format compliance, exact match."""
     from qatfactory.distill.rewards import extract_hash, numbers_equal
     from qatfactory.distill.rollout import SamplingConfig, generate
+    from qatfactory.nn import scale_adapter as SA
     model.eval()
     tot, n = 0.0, 0.0
     for i in range(0, len(data), batch):
@@ -219,12 +220,13 @@ def evaluate(model, tok, data, prompts, golds, gen_tokens: int, batch: int, devi
     fmt = exact = 0
     eos = int(tok.eos_token_id)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else eos)
-    for i in range(0, len(prompts), batch):
-        r = generate(model, prompts[i:i + batch], eos, pad, SamplingConfig(gen_tokens, 0.0, 1.0), tokenizer=tok)
-        for t, gold in zip(r.texts, golds[i:i + batch]):
-            a = extract_hash(t)
-            fmt += a is not None
-            exact += numbers_equal(a, gold)
+    with SA.frozen_weights(model):       # a scale-adapted model decodes its weights once, not once per token
+        for i in range(0, len(prompts), batch):
+            r = generate(model, prompts[i:i + batch], eos, pad, SamplingConfig(gen_tokens, 0.0, 1.0), tokenizer=tok)
+            for t, gold in zip(r.texts, golds[i:i + batch]):
+                a = extract_hash(t)
+                fmt += a is not None
+                exact += numbers_equal(a, gold)
     k = max(len(prompts), 1)
     return {"nll": tot / max(n, 1.0), "format": fmt / k, "exact": exact / k}
 

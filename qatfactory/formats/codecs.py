@@ -92,8 +92,13 @@ def e2m1_encode(v: torch.Tensor, ties: str = "rne", negative_zero: bool = True) 
     return mag | (neg.to(torch.uint8) << 3)
 
 
+_E2M1_TABLES: dict = {}   # device -> the 16 values there, made once: a fresh host->GPU copy per call stalls the stream
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES, device=codes.device)
+    table = _E2M1_TABLES.get(codes.device)
+    if table is None:
+        table = _E2M1_TABLES[codes.device] = torch.from_numpy(E2M1_VALUES.copy()).to(codes.device)
     return table[(codes & 0xF).long()]
 
 

@@ -29,6 +29,7 @@ writing G); the forward dequantizes once and the backward once more (nothing wei
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -186,14 +187,24 @@ class ScaleAdapterLinear(nn.Module):
     def trainable(self) -> List[nn.Parameter]:
         return [self.theta] if self.param == "dense" else [self.U, self.V]
 
+    _frozen: Optional[Dict[tuple, torch.Tensor]] = None   # frozen_weights(): dequantized weights by (dtype, device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.log2_offset()
         if torch.is_grad_enabled() and t.requires_grad:
+            if self._frozen is not None:
+                raise RuntimeError(f"{self.qname}: a training forward inside frozen_weights(): the offsets must not "
+                                   f"change while dequantized weights are reused; leave the context first")
             return _ScaleFn.apply(x, t, self)
-        with torch.no_grad():
-            b = self.fmt.shift_scales(self.scales0, t)[0]
-            w = self.fmt.dequantize(self.packed_with(b))
-        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        key = (x.dtype, x.device)
+        w = None if self._frozen is None else self._frozen.get(key)
+        if w is None:
+            with torch.no_grad():
+                b = self.fmt.shift_scales(self.scales0, t)[0]
+                w = self.fmt.dequantize(self.packed_with(b)).to(x.dtype)
+            if self._frozen is not None:
+                self._frozen[key] = w
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 class _ScaleFn(torch.autograd.Function):
@@ -248,6 +259,22 @@ def modules(model: nn.Module) -> Dict[str, ScaleAdapterLinear]:
 
 def parameters(model: nn.Module) -> List[nn.Parameter]:
     return [p for m in modules(model).values() for p in m.trainable()]
+
+
+@contextlib.contextmanager
+def frozen_weights(model: nn.Module):
+    """Inside, every adapted linear dequantizes its current weight once (per dtype and device) and reuses it:
+    greedy generation re-runs the model once per token, and re-decoding every code plane each time cost the
+    H200's NVFP4 scale arm minutes per evaluation. The weights are the ones the plain no-grad forward computes
+    (the same function, once); a training forward inside raises, so the offsets cannot move under the cache."""
+    mods = list(modules(model).values())
+    for m in mods:
+        m._frozen = {}
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m._frozen = None
 
 
 @torch.no_grad()
