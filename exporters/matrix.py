@@ -138,19 +138,21 @@ PROVEN_BY = {
 # engines_vllm_h200_modelopt_moe.json (ModelOpt and MoE cells, 16:28 UTC); tests/test_readme.py keeps them equal
 ENGINE_RUN_ON = "vLLM 0.24.0, one H200, torch 2.11.0+cu130, 2026-12-01"
 ENGINE_RUNS: Dict[Tuple[str, str], str] = {
-    (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper). NVFP4 W4A16: KL to the "
-             "student 0.0017 (its PTQ baseline 0.12), top-1 0.973, greedy tokens equal 0.834, tok/s 0.73x / 0.66x "
-             "bf16 (batch 1 / 64); MXFP4 W4A16: 0.0023 (PTQ 0.31), 0.973, 0.465, 0.78x / 0.68x; MXFP4 W4A4: served "
-             "weight-only (KL 0.0015 to the student's weight-only forward, 0.48 to its W4A4 forward), 0.79x / 0.68x; "
-             "tiny random Qwen3-MoE NVFP4 W4A16: Marlin MoE experts, KL to the student 0.00002, top-1 0.947",
-    (V, MO): "yes (after the untied lm_head fix): SmolLM2-135M QAD students, Marlin FP4 (weight-only on Hopper). "
-             "NVFP4 W4A16: KL to the student 0.0017 (PTQ 0.12), top-1 0.977, greedy tokens equal 0.598; NVFP4 "
-             "W4A4: served weight-only (KL 0.0017 to the student's weight-only forward, 0.17 to its W4A4 forward); "
-             "tok/s not comparable in that run (other jobs shared the GPU)",
-    (S, MO): "not run yet: SGLang 0.5.17 (the release pinning torch 2.11) is staged for the H200 in 41.5 MiB "
-             "(benchmarks/gpu/stage.sh pack-sglang: FlashAttention 3 and FlashInfer's JIT sources left out, Triton "
-             "attention) and benchmarks/gpu/engines.sh sglang runs the W4A4 export through it (written, not yet run "
-             "on the GPU); its ModelOptFp4Config accepts quant_algo NVFP4, not W4A16_NVFP4 (read from its source)",
+    (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper); run of 19:51 UTC, the GPU "
+             "to itself. NVFP4 W4A16: KL to the student 0.0017 (its PTQ baseline 0.13), top-1 0.979, greedy tokens "
+             "equal 0.484, tok/s 1.19x / 0.77x bf16 (batch 1 / 64); MXFP4 W4A16: 0.0019 (PTQ 0.36), top-1 0.973, "
+             "greedy 0.486, 1.02x / 0.63x; MXFP4 W4A4: served weight-only (KL 0.0015 to the student's weight-only "
+             "forward, 0.44 to its W4A4 forward), 1.14x / 0.77x; tiny random Qwen3-MoE NVFP4 W4A16: Marlin MoE "
+             "experts, KL to the student 0.00002, top-1 0.947, 1.19x / 0.72x",
+    (V, MO): "yes: SmolLM2-135M QAD students, Marlin FP4 (weight-only on Hopper); run of 19:51 UTC. NVFP4 W4A16: KL "
+             "to the student 0.0017 (PTQ 0.13), top-1 0.979, greedy tokens equal 0.506, tok/s 0.95x / 0.71x bf16; "
+             "NVFP4 W4A4: served weight-only (KL 0.0016 to the student's weight-only forward, 0.17 to its W4A4 "
+             "forward), 1.19x / 0.75x; with an FP8 KV cache see the KV-cache section of benchmarks/RESULTS.md",
+    (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) loaded the weights of the bf16 model and of "
+             "the NVFP4 W4A4 export (ModelOptModelLoader, modelopt_fp4 -> Marlin on SM90) and stopped at the first "
+             "forward: sgl_kernel 0.4.5's rmsnorm JIT-builds FlashInfer's norm kernel, whose sources the slimmed "
+             "staging had left out (benchmarks/RESULTS.md); its ModelOptFp4Config accepts quant_algo NVFP4, not "
+             "W4A16_NVFP4 (read from its source)",
     (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }

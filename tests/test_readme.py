@@ -54,27 +54,22 @@ def test_verdict_words_and_exit_codes_match():
 
 def test_engine_run_numbers_match_the_results_file():
     """The matrix's 'loaded by the engine itself' column quotes the last GPU run: its numbers must be
-    the ones in benchmarks/results/engines_vllm_h200.json."""
+    the ones in that run's engines.json (benchmarks/results/h200_20261201_s27, all six vLLM cells)."""
     import json
     from qatfactory.exporters.matrix import ENGINE_RUNS
-    d = json.loads((ROOT / "benchmarks" / "results" / "engines_vllm_h200.json").read_text())["cells"]
-    txt = ENGINE_RUNS[("vllm", "compressed-tensors")]
-    for cell in ("nvfp4-w4a16-ct", "mxfp4-w4a16-ct"):
-        s = d[cell]["student"]
-        assert f"{s['kl_vs_vllm']:.4f}"[:6] in txt and f"{s['kl_vs_ptq']:.2f}" in txt, cell
-        assert f"{s['greedy_vs_vllm']['token_match']:.3f}" in txt and f"{s['top1_agree']:.3f}" in txt, cell
-        tp = d[cell]["throughput_vs_bf16"]
-        assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt, cell
-    w = d["mxfp4-w4a4-ct"]["student weights only"]
-    assert f"{w['kl_vs_vllm']:.4f}" in txt and f"{d['mxfp4-w4a4-ct']['student']['kl_vs_vllm']:.2f}" in txt
-    # the ModelOpt and MoE cells: the second run of the day (after the untied lm_head fix)
-    d2 = json.loads((ROOT / "benchmarks" / "results" / "engines_vllm_h200_modelopt_moe.json").read_text())["cells"]
-    mo = ENGINE_RUNS[("vllm", "modelopt")]
-    s = d2["nvfp4-w4a16-modelopt"]["student"]
-    assert d2["nvfp4-w4a16-modelopt"]["vllm"]["loaded"] and "refused" not in mo
-    assert f"{s['kl_vs_vllm']:.4f}" in mo and f"{s['kl_vs_ptq']:.2f}" in mo and f"{s['top1_agree']:.3f}" in mo
-    assert f"{s['greedy_vs_vllm']['token_match']:.3f}" in mo
-    c = d2["nvfp4-w4a4-modelopt"]
-    assert f"{c['student weights only']['kl_vs_vllm']:.4f}" in mo and f"{c['student']['kl_vs_vllm']:.2f}" in mo
-    m = d2["moe-nvfp4-w4a16-ct"]
-    assert m["vllm"]["loaded"] and f"{m['student']['kl_vs_vllm']:.5f}" in txt and f"{m['student']['top1_agree']:.3f}" in txt
+    d = json.loads((ROOT / "benchmarks" / "results" / "h200_20261201_s27" / "engines.json").read_text())["cells"]
+    assert all(c["vllm"]["loaded"] for c in d.values()) and len(d) == 6
+    for flavour, cells in (("compressed-tensors", ("nvfp4-w4a16-ct", "mxfp4-w4a16-ct")),
+                           ("modelopt", ("nvfp4-w4a16-modelopt",))):
+        txt = ENGINE_RUNS[("vllm", flavour)]
+        for cell in cells:
+            s, tp = d[cell]["student"], d[cell]["throughput_vs_bf16"]
+            assert f"{s['kl_vs_vllm']:.4f}"[:6] in txt and f"{s['kl_vs_ptq']:.2f}" in txt, cell
+            assert f"{s['greedy_vs_vllm']['token_match']:.3f}" in txt and f"{s['top1_agree']:.3f}" in txt, cell
+            assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt, cell
+    for flavour, cell in (("compressed-tensors", "mxfp4-w4a4-ct"), ("modelopt", "nvfp4-w4a4-modelopt")):
+        txt, c = ENGINE_RUNS[("vllm", flavour)], d[cell]
+        assert f"{c['student weights only']['kl_vs_vllm']:.4f}" in txt and f"{c['student']['kl_vs_vllm']:.2f}" in txt
+        assert f"{c['throughput_vs_bf16']['1']:.2f}x / {c['throughput_vs_bf16']['64']:.2f}x" in txt, cell
+    m, txt = d["moe-nvfp4-w4a16-ct"], ENGINE_RUNS[("vllm", "compressed-tensors")]
+    assert f"{m['student']['kl_vs_vllm']:.5f}" in txt and f"{m['student']['top1_agree']:.3f}" in txt
