@@ -147,10 +147,12 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
              "NVFP4 W4A16: KL to the student 0.0017 (PTQ 0.12), top-1 0.977, greedy tokens equal 0.598; NVFP4 "
              "W4A4: served weight-only (KL 0.0017 to the student's weight-only forward, 0.17 to its W4A4 forward); "
              "tok/s not comparable in that run (other jobs shared the GPU)",
-    (S, MO): "not run yet: SGLang 0.5.17 (the release pinning torch 2.11) is staged for the H200 in 41.5 MiB "
-             "(benchmarks/gpu/stage.sh pack-sglang: FlashAttention 3 and FlashInfer's JIT sources left out, Triton "
-             "attention) and benchmarks/gpu/engines.sh sglang runs the W4A4 export through it (written, not yet run "
-             "on the GPU); its ModelOptFp4Config accepts quant_algo NVFP4, not W4A16_NVFP4 (read from its source)",
+    (S, MO): "not run yet: SGLang 0.5.17 (the release pinning torch 2.11) is staged for the H200 in 44.7 MiB "
+             "(benchmarks/gpu/stage.sh pack-sglang: FlashAttention 3 left out, Triton attention; of FlashInfer's JIT "
+             "sources only its `norm` module's are kept, which every RMSNorm builds) and benchmarks/gpu/engines.sh "
+             "sglang runs the W4A4 export through it (first H200 run, 2026-12-01: bf16 and W4A4 both stopped in "
+             "CUDA-graph capture because norm.cu had been left out; fixed, not yet re-run); its ModelOptFp4Config "
+             "accepts quant_algo NVFP4, not W4A16_NVFP4 (read from its source)",
     (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }

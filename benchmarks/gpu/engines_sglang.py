@@ -374,21 +374,36 @@ def warm_modules(shape: Optional[Dict[str, int]]):
             return f"carried {spec.aot_path} failed its check ({type(e).__name__}: {e}); removed, built here"
         return "carried, checked against torch" if carried else "built here, checked against torch"
 
-    mods = [("flashinfer_norm", norm)]
-    from sglang.kernels.ops.quantization.gptq_marlin import _jit_gptq_marlin_module
-    from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
-    mods += [("gptq_marlin_repack", _jit_gptq_marlin_repack_module),
-             ("gptq_marlin_bf16", lambda: _jit_gptq_marlin_module(torch.bfloat16))]
-    if shape:
-        from sglang.kernels.ops.activation.activation import activation_module
-        from sglang.kernels.ops.attention.clamp_position import _jit_clamp_position_module
-        from sglang.kernels.ops.attention.rope import _jit_fused_rope_module
-        from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+    def marlin_repack():
+        from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
+        _jit_gptq_marlin_repack_module()
+
+    def marlin_bf16():
+        from sglang.kernels.ops.quantization.gptq_marlin import _jit_gptq_marlin_module
+        _jit_gptq_marlin_module(torch.bfloat16)
+
+    mods = [("flashinfer_norm", norm), ("gptq_marlin_repack", marlin_repack), ("gptq_marlin_bf16", marlin_bf16)]
+    if shape:      # each import inside its builder: one renamed in a later SGLang costs that module alone
         row = shape["kv_heads"] * shape["head_dim"] * 2
-        mods += [("activation_bf16", lambda: activation_module(torch.bfloat16)),
-                 ("fused_rope", lambda: _jit_fused_rope_module(True, shape["rotary_dim"], torch.bfloat16, torch.bfloat16)),
-                 ("kvcache", lambda: _jit_kvcache_module(row, row)),
-                 ("clamp_position_i64", lambda: _jit_clamp_position_module(torch.int64))]
+
+        def activation():
+            from sglang.kernels.ops.activation.activation import activation_module
+            activation_module(torch.bfloat16)
+
+        def rope():
+            from sglang.kernels.ops.attention.rope import _jit_fused_rope_module
+            _jit_fused_rope_module(True, shape["rotary_dim"], torch.bfloat16, torch.bfloat16)
+
+        def kvcache():
+            from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+            _jit_kvcache_module(row, row)
+
+        def clamp_position():
+            from sglang.kernels.ops.attention.clamp_position import _jit_clamp_position_module
+            _jit_clamp_position_module(torch.int64)
+
+        mods += [("activation_bf16", activation), ("fused_rope", rope), ("kvcache", kvcache),
+                 ("clamp_position_i64", clamp_position)]
     return mods
 
 
