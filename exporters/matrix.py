@@ -151,8 +151,10 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
     (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) loaded the weights of the bf16 model and of "
              "the NVFP4 W4A4 export (ModelOptModelLoader, modelopt_fp4 -> Marlin on SM90) and stopped at the first "
              "forward: sgl_kernel 0.4.5's rmsnorm JIT-builds FlashInfer's norm kernel, whose sources the slimmed "
-             "staging had left out (benchmarks/RESULTS.md); its ModelOptFp4Config accepts quant_algo NVFP4, not "
-             "W4A16_NVFP4 (read from its source)",
+             "staging had left out (benchmarks/RESULTS.md). Now staged in 44.7 MiB with FlashInfer's norm sources "
+             "and its JIT modules built ahead (benchmarks/gpu/stage.sh pack-sglang), not yet re-run. Read from its "
+             "source: its ModelOptFp4Config accepts quant_algo NVFP4 (W4A4, Marlin weight-only below SM100) and "
+             "refuses W4A16_NVFP4 unless MIXED_PRECISION",
     (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }

@@ -24,17 +24,20 @@ MIB = 2 ** 20
 
 
 # ------------------------------------------------------------------ carry plan
-def test_cut_fills_the_rooms_in_call_order_then_rides_with_the_sglang_call():
+def test_cut_fills_the_rooms_in_call_order_then_goes_in_extra_calls_before_the_vllm_call():
     rooms = [9 * MIB, 14 * MIB, 10 * 1024, 14 * MIB]          # the third is too small to be worth a part
     parts = CP.cut(30 * MIB, rooms)
     assert sum(p["size"] for p in parts) == 30 * MIB
     assert [p["ride"] for p in parts] == [1, 2, 4]
     assert [p["size"] for p in parts] == [9 * MIB, 14 * MIB, 7 * MIB]
-    # more than the rooms hold: the rest rides with call len(rooms)+1, in parts of at most 60 MiB
+    # more than the rooms hold: the rest in slots len(rooms)+1.., parts of at most 60 MiB
     big = CP.cut(150 * MIB, [MIB, MIB])
     assert [p["ride"] for p in big] == [1, 2, 3, 4, 5]
     assert [p["size"] for p in big] == [MIB, MIB, 60 * MIB, 60 * MIB, 28 * MIB]
     assert CP.cut(5, [0, 0]) == [{"size": 5, "ride": 3}]
+    # ...and those slots become stash calls before the last base call (the vLLM call), which moves back
+    assert [p["ride"] for p in CP.final_calls(big, 2)] == [1, 5, 2, 3, 4]
+    assert [p["ride"] for p in CP.final_calls(parts, 4)] == [1, 2, 4]       # nothing extra: unchanged
 
 
 def _sparse(p: Path, n: int) -> None:
@@ -90,17 +93,49 @@ def test_plan_folds_the_sglang_parts_into_the_vllm_calls_and_checks_every_call(t
     assert "TOO BIG" in capsys.readouterr().out
 
 
-def test_plan_gives_what_does_not_fit_to_the_sglang_call(tmp_path):
+def _pack(root, tmp_path, tree, n):
+    b, w = _bundle(tmp_path, n=n)
+    (root / CP.SGLANG_DIR).mkdir(exist_ok=True)
+    parts = CP.cut(b.stat().st_size, CP.rooms(root, tree))
+    extra = max([p["ride"] - len(CP.BASE_CALLS) for p in parts] + [0])
+    recs = CP.split(b, root / CP.SGLANG_DIR, CP.final_calls(parts))
+    CP.write_manifest(root / CP.SGLANG_DIR / CP.MANIFEST, b, w, {"parts": recs, "extra_calls": extra}, "0.5.17", [], [])
+    return recs
+
+
+def test_plan_puts_what_does_not_fit_in_a_stash_call_before_the_vllm_call(tmp_path, capsys):
+    """SGLang's install and JIT warm-up start in the vLLM call: every part must be carried by then."""
     root = _staged_root(tmp_path)
     tree = int(2.8 * MIB)
-    b, w = _bundle(tmp_path, n=22 * MIB)                     # ~44 MiB: more than the rooms hold
-    (root / CP.SGLANG_DIR).mkdir()
-    recs = CP.split(b, root / CP.SGLANG_DIR, CP.cut(b.stat().st_size, CP.rooms(root, tree)))
-    CP.write_manifest(root / CP.SGLANG_DIR / CP.MANIFEST, b, w, recs, "0.5.17", [], [])
+    recs = _pack(root, tmp_path, tree, 22 * MIB)               # ~44 MiB: more than the rooms hold
     calls = CP.calls(root, tree)
-    assert len(calls) == 7 and calls[-1]["cmd"] == CP.SGLANG_CALL and calls[-1]["carry"]
+    assert [c["cmd"] for c in calls] == [c for _, c in CP.BASE_CALLS[:-1]] + [CP.STASH_CALL] + \
+        [CP.BASE_CALLS[-1][1], CP.SGLANG_CALL]
+    assert calls[5]["carry"] and all(p.startswith(".sglang/sglang.tar.part-") for p in calls[5]["carry"])
+    assert calls[-1]["carry"] == [] and all(c["ok"] for c in calls)
+    assert CP.warm_call(root, tree) == 7 and CP.sglang_complete_by(root, tree) <= 7
+    carried = sorted(p for c in calls for p in c["carry"] if "sglang.tar.part-" in p)
+    assert carried == sorted(f"{CP.SGLANG_DIR}/{r['name']}" for r in recs)
+    assert CP.main(["plan", "--root", str(root), "--tree", str(tree)]) == 0
+    assert "after call 7 (call 7, the vLLM call" in capsys.readouterr().out
+
+
+def test_carried_jit_caches_ride_before_the_warm_up(tmp_path):
+    root = _staged_root(tmp_path)
+    tree = int(2.8 * MIB)
+    _pack(root, tmp_path, tree, 22 * MIB)
+    _sparse(root / CP.JIT_DIR / "tvmffi.tgz", 4 * MIB)
+    calls = CP.calls(root, tree)
+    assert CP.JIT_DIR in calls[5]["carry"] and len(calls) == 8          # in the stash call's room
+    # without such a call (everything fit in the rooms), a stash call of its own, again before the vLLM call
+    root2 = _staged_root(tmp_path / "b")
+    _pack(root2, tmp_path / "b", tree, 17 * MIB)
+    _sparse(root2 / CP.JIT_DIR / "tvmffi.tgz", 4 * MIB)
+    calls = CP.calls(root2, tree)
+    assert [c["carry"] for c in calls if CP.JIT_DIR in c["carry"]] == [[CP.JIT_DIR]]
+    assert calls[5]["carry"] == [CP.JIT_DIR] and calls[6]["cmd"] == CP.BASE_CALLS[-1][1]
+    assert CP.sglang_complete_by(root2, tree) < CP.warm_call(root2, tree) == 7
     assert all(c["ok"] for c in calls)
-    assert CP.sglang_complete_by(root) == 7
 
 
 def test_split_then_assemble_gives_the_wheels_back_and_catches_tampering(tmp_path):
@@ -285,17 +320,19 @@ def test_phase_sglang_kills_a_hung_models_whole_process_group(tmp_path):
     assert "timed out after 8 s" in (work / "nvfp4-w4a4-modelopt" / "sglang.log").read_text()
 
 
-def test_quantized_models_wait_for_a_running_jit_warm_up_and_bf16_does_not(tmp_path):
+def test_every_model_waits_for_a_running_jit_warm_up(tmp_path):
+    """bf16 too: its RMSNorm (FlashInfer's norm), activation, RoPE and KV store are JIT modules the warm-up builds."""
     work, script = _work(tmp_path, {"nvfp4-w4a4-modelopt": "e1"})
     (work / "sglang-warm.pid").write_text(str(os.getpid()))             # a warm-up that is still building
     (work / "sglang-warm.json").write_text(json.dumps({"done": False}))
     a = _a(work, ["nvfp4-w4a4-modelopt"])
     a.warm_wait = 2
     ES.phase_sglang(a, script)
-    assert json.loads((work / "bf16" / "sglang.json").read_text())["loaded"]
-    assert not (work / "nvfp4-w4a4-modelopt" / "sglang.json").exists()   # left for the next call, no record
+    assert not (work / "bf16" / "sglang.json").exists()                 # left for the next call, no record
+    assert not (work / "nvfp4-w4a4-modelopt" / "sglang.json").exists()
     (work / "sglang-warm.json").write_text(json.dumps({"done": True, "modules": {"gptq_marlin_bf16": 1.0}}))
     ES.phase_sglang(a, script)
+    assert json.loads((work / "bf16" / "sglang.json").read_text())["loaded"]
     assert json.loads((work / "nvfp4-w4a4-modelopt" / "sglang.json").read_text())["loaded"]
 
 

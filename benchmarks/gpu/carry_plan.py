@@ -2,9 +2,12 @@
 
 A device call carries the working tree plus at most 8 named paths, 64 MiB in all. The vLLM stack and
 SmolLM2 already need six calls whose groups leave room; SGLang's bundle (one tar of wheels) is cut into
-parts that fill that room in call order, so it costs no call of its own, and whatever does not fit goes
-with the SGLang call itself. Part sizes are fixed at pack time from the sizes staged then; `plan`
-re-checks every call against the cap with the tree as it is now.
+parts that fill that room in call order, and whatever does not fit goes in extra stash calls placed
+just before the vLLM call: that call installs SGLang and starts its JIT warm-up in the background, so every
+part must be on the machine by then. The carried JIT caches (.sglang/jit, stage.sh stage-jit) ride in
+the first call up to the vLLM call with room for them, else in one more stash call before it. Part sizes
+are fixed at pack time from the sizes staged then; `plan` re-checks every call against the cap with the
+tree as it is now.
 
     python benchmarks/gpu/carry_plan.py plan  [--tree BYTES]
     python benchmarks/gpu/carry_plan.py split BUNDLE --out .sglang [--tree BYTES] [--margin-kib 512]
@@ -41,6 +44,9 @@ BASE_CALLS = [
     ([".vllm/vllm.zip.part-ac"], "bash benchmarks/gpu/engines.sh vllm"),
 ]
 SGLANG_CALL = "bash benchmarks/gpu/engines.sh sglang"
+STASH_CALL = "bash benchmarks/gpu/engines.sh stash"
+WARM_CALL = len(BASE_CALLS)    # the vLLM call: SGLang's install and JIT warm-up start there
+JIT_DIR = f"{SGLANG_DIR}/jit"  # carried JIT caches (sglang_jit.py)
 
 
 def size(root: Path, rel: str) -> int:
@@ -70,8 +76,9 @@ def rooms(root: Path, tree: int, margin: int = MARGIN, calls=BASE_CALLS) -> List
 
 def cut(total: int, room: Sequence[int], part_max: int = 60 * MIB, min_part: int = 64 * 1024) -> List[Dict[str, int]]:
     """Split `total` bytes: first into the rooms (call order, pieces under `min_part` skipped), the rest
-    into parts of at most `part_max` that ride with the SGLang call and, past the first, calls of their
-    own. Returns [{"size", "ride"}] where ride is the 1-based call number."""
+    into parts of at most `part_max`, one slot each past the rooms. Returns [{"size", "ride"}] where ride
+    is the 1-based slot: 1..len(room) the base calls, beyond them the extra calls (`final_calls` says where
+    those go in the sequence)."""
     parts, left = [], total
     for i, r in enumerate(room):
         take = min(r, left)
@@ -95,6 +102,18 @@ def sha256(path: Path) -> str:
         for b in iter(lambda: f.read(1 << 20), b""):
             h.update(b)
     return h.hexdigest()
+
+
+def final_calls(parts: List[Dict[str, int]], n_base: int = len(BASE_CALLS)) -> List[Dict[str, int]]:
+    """Slots (cut) -> call numbers: the extra slots become stash calls just before the last base call (the
+    vLLM call, which installs SGLang and starts its warm-up), which moves that call back by as many."""
+    extra = max([p["ride"] - n_base for p in parts] + [0])
+    out = []
+    for p in parts:
+        r = p["ride"]
+        r = r if r < n_base else (n_base + extra if r == n_base else n_base + r - n_base - 1)
+        out.append(dict(p, ride=r))
+    return out
 
 
 def split(bundle: Path, out: Path, parts: List[Dict[str, int]]) -> List[Dict[str, object]]:
@@ -162,10 +181,16 @@ def assemble(parts_dir: Path, man: Dict[str, object], dest: Path) -> List[Path]:
     return paths
 
 
-def write_manifest(out: Path, bundle: Path, wheels_dir: Path, parts: List[Dict[str, object]], version: str,
-                   shared: List[str], slim: List[str]) -> Dict[str, object]:
+def write_manifest(out: Path, bundle: Path, wheels_dir: Path, parts, version: str,
+                   shared: List[str], slim: List[str], keep: Optional[Dict[str, List[str]]] = None) -> Dict[str, object]:
     """The manifest `install-sglang` checks against: each wheel (sha256; a slimmed one also its PyPI
-    sha256 and the patterns removed), the bundle and its parts."""
+    sha256, the patterns removed and what of them was kept), the bundle and its parts (`parts`: split's
+    {"parts", "extra_calls"}, or a bare list of parts riding in the base calls)."""
+    if isinstance(parts, dict):
+        extra, parts = int(parts.get("extra_calls", 0)), parts["parts"]
+    else:
+        extra = 0
+    keep = keep or {}
     wheels = []
     for w in sorted(wheels_dir.glob("*.whl")):
         rec: Dict[str, object] = {"file": w.name, "sha256": sha256(w), "bytes": w.stat().st_size}
@@ -173,10 +198,13 @@ def write_manifest(out: Path, bundle: Path, wheels_dir: Path, parts: List[Dict[s
         if orig.exists():
             rec["pypi_sha256"] = orig.read_text().strip()
             rec["removed"] = next(x.split(":", 1)[1].split() for x in slim if w.name.startswith(x.split(":", 1)[0]))
+            kept = next((v for k, v in keep.items() if w.name.startswith(k)), None)
+            if kept:
+                rec["kept_for_flashinfer_jit"] = kept
         wheels.append(rec)
     man = {"sglang": version, "wheels": wheels, "shared_from_vllm_deps": list(shared),
            "bundle": {"name": bundle.name, "bytes": bundle.stat().st_size, "sha256": sha256(bundle)},
-           "parts": parts}
+           "parts": parts, "extra_calls": extra}
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(man, indent=1))
     os.replace(tmp, out)
@@ -189,29 +217,47 @@ def load_manifest(root: Path) -> Optional[Dict[str, object]]:
 
 
 def calls(root: Path, tree: int) -> List[Dict[str, object]]:
-    """Every call: its carry list, bytes (tree included) and command, SGLang's parts folded in."""
+    """Every call: its carry list, bytes (tree included) and command, SGLang's parts and JIT caches folded in."""
     man = load_manifest(root)
     out = [{"carry": list(paths), "cmd": cmd} for paths, cmd in BASE_CALLS]
     if man:
+        extra = int(man.get("extra_calls", 0))
+        out = out[:WARM_CALL - 1] + [{"carry": [], "cmd": STASH_CALL} for _ in range(extra)] + out[WARM_CALL - 1:]
         out[0]["carry"].append(f"{SGLANG_DIR}/{MANIFEST}")
         for p in man["parts"]:
-            while len(out) < p["ride"]:
-                out.append({"carry": [], "cmd": "bash benchmarks/gpu/engines.sh stash"})
+            if not 1 <= p["ride"] <= len(out):
+                raise ValueError(f"{p['name']} rides in call {p['ride']}, past the vLLM call: a manifest of an "
+                                 "older carry plan; run stage.sh pack-sglang again")
             out[p["ride"] - 1]["carry"].append(f"{SGLANG_DIR}/{p['name']}")
-        if len(out) == len(BASE_CALLS) or out[-1]["cmd"] != "bash benchmarks/gpu/engines.sh stash":
-            out.append({"carry": [], "cmd": SGLANG_CALL})
-        else:
-            out[-1]["cmd"] = SGLANG_CALL
+        out.append({"carry": [], "cmd": SGLANG_CALL})
+        jit = size(root, JIT_DIR)
+        if jit:       # before the warm-up (the vLLM call): the first call with room, else one more stash call
+            warm = WARM_CALL + extra
+            for c in out[:warm]:
+                used = tree + sum(size(root, q) for q in c["carry"])
+                if used + jit <= CAP - MARGIN and len(c["carry"]) < MAX_PATHS:
+                    c["carry"].append(JIT_DIR)
+                    break
+            else:
+                out.insert(warm - 1, {"carry": [JIT_DIR], "cmd": STASH_CALL})
     for c in out:
         c["bytes"] = tree + sum(size(root, p) for p in c["carry"])
         c["ok"] = c["bytes"] < CAP and len(c["carry"]) <= MAX_PATHS
     return out
 
 
-def sglang_complete_by(root: Path) -> Optional[int]:
-    """The call after which every SGLang part is on the machine (None: nothing packed)."""
-    man = load_manifest(root)
-    return max(p["ride"] for p in man["parts"]) if man and man["parts"] else None
+def sglang_complete_by(root: Path, tree: int = 0) -> Optional[int]:
+    """The call after which every SGLang part and carried JIT cache is on the machine (None: nothing packed)."""
+    if not load_manifest(root):
+        return None
+    have = [i for i, c in enumerate(calls(root, tree), 1)
+            if any(p.startswith(f"{SGLANG_DIR}/{PART_PREFIX}") or p == JIT_DIR for p in c["carry"])]
+    return max(have) if have else None
+
+
+def warm_call(root: Path, tree: int = 0) -> int:
+    """The number of the vLLM call, which starts SGLang's install and JIT warm-up."""
+    return next(i for i, c in enumerate(calls(root, tree), 1) if c["cmd"] == BASE_CALLS[-1][1])
 
 
 def main(argv=None) -> int:
@@ -226,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle"), ap.add_argument("--wheels"), ap.add_argument("--parts-json", dest="parts_json")
     ap.add_argument("--version"), ap.add_argument("--shared", default="")
     ap.add_argument("--slim", nargs="*", default=[])
+    ap.add_argument("--keep", nargs="*", default=[], help="wheel-prefix:module,... (FlashInfer JIT modules kept)")
     ap.add_argument("--margin-kib", type=int, default=MARGIN // 1024, dest="margin_kib")
     a = ap.parse_args(argv)
     root = Path(a.root)
@@ -249,11 +296,14 @@ def main(argv=None) -> int:
             return 2
         return 0
     if a.cmd == "manifest":
+        keep = {k.split(":", 1)[0]: k.split(":", 1)[1].split(",") for k in a.keep}
         man = write_manifest(root / SGLANG_DIR / MANIFEST, Path(a.bundle), Path(a.wheels),
-                             json.loads(Path(a.parts_json).read_text()), a.version, a.shared.split(), a.slim)
+                             json.loads(Path(a.parts_json).read_text()), a.version, a.shared.split(), a.slim, keep)
         for w in man["wheels"]:
             print(f"{w['bytes'] / MIB:6.2f} MiB {w['file']}" + (f"  (slimmed: {' '.join(w['removed'])})"
-                                                              if "removed" in w else ""))
+                                                              if "removed" in w else "")
+                  + (f" (kept for FlashInfer JIT: {','.join(w['kept_for_flashinfer_jit'])})"
+                     if "kept_for_flashinfer_jit" in w else ""))
         print(f"bundle {man['bundle']['bytes'] / MIB:.1f} MiB in {len(man['parts'])} parts: " +
               ", ".join(f"{p['name']} {p['size'] / MIB:.1f} MiB -> call {p['ride']}" for p in man["parts"]))
         return 0
@@ -263,8 +313,9 @@ def main(argv=None) -> int:
             ap.error("split needs the bundle")
         bundle = Path(a.bundle)
         parts = cut(bundle.stat().st_size, rooms(root, tree, a.margin_kib * 1024))
-        recs = split(bundle, root / a.out, parts)
-        json.dump(recs, sys.stdout, indent=1)
+        extra = max([p["ride"] - len(BASE_CALLS) for p in parts] + [0])
+        recs = split(bundle, root / a.out, final_calls(parts))
+        json.dump({"parts": recs, "extra_calls": extra}, sys.stdout, indent=1)
         print()
         return 0
     bad = 0
@@ -272,11 +323,13 @@ def main(argv=None) -> int:
         bad += not c["ok"]
         print(f"call {i}: {c['bytes'] / MIB:5.1f} MiB {'OK ' if c['ok'] else 'TOO BIG'} carry={c['carry']}  "
               f"-> {c['cmd']}")
-    done = sglang_complete_by(root)
+    done = sglang_complete_by(root, tree)
     if done:
-        print(f"SGLang parts all on the machine after call {done}"
-              + (" (the vLLM call then installs it and compiles its JIT kernels in the background)"
-                 if done <= len(BASE_CALLS) else ""))
+        warm = warm_call(root, tree)
+        print(f"SGLang parts{' and JIT caches' if size(root, JIT_DIR) else ''} all on the machine after call {done}"
+              + (f" (call {warm}, the vLLM call, then installs it and compiles its JIT kernels in the background)"
+                 if done <= warm else f" -- AFTER the vLLM call {warm} that starts its warm-up"))
+        bad += done > warm
     return 1 if bad else 0
 
 

@@ -14,8 +14,9 @@ packages (compressed-tensors 0.17.0 against our 0.20.1, SGLang's transformers 5.
                           picked for each quantized linear.
 ``sglang`` (SGLang's stack, /tmp/sgsite; engines_sglang.py) bf16 and --sglang-cells (default: the ModelOpt
                           NVFP4 export) through ``sglang.Engine``, one model per process: the same record
-                          as vLLM's (W/<cell>/sglang.json + .npz); ``sglang-warm`` builds its FP4-Marlin
-                          JIT kernels ahead.
+                          as vLLM's (W/<cell>/sglang.json + .npz); ``sglang-warm`` builds its JIT kernels
+                          ahead (FlashInfer's norm, SGLang's Marlin, activation, RoPE, KV store, positions),
+                          after installing the caches a former session built (sglang_jit.py).
 ``report`` (our stack)    each student's own fake-quant forward on the same tokens (bf16, on the GPU):
                           KL(student || vLLM) against KL(student || the same format's PTQ student) on
                           the same top-K partition (vLLM's top-K plus one bucket for the rest of the
@@ -704,6 +705,8 @@ def parse(argv):
                    help="seconds per SGLang model (its first load JIT-compiles kernels)")
     p.add_argument("--warm-wait", type=int, default=240, dest="warm_wait",
                    help="seconds to wait for the background JIT warm-up engines.sh started")
+    p.add_argument("--jit-dir", default=os.environ.get("QF_JIT_PARTS", "/tmp/qf-parts/jit"), dest="jit_dir",
+                   help="sglang-warm: carried JIT caches (*.tgz) to install first, if their stamp matches")
     p.add_argument("--model"), p.add_argument("--tokens")
     a = p.parse_args(argv)
     names = {x.name for x in CELLS}

@@ -2,10 +2,13 @@
 # vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py; issue 16).
 #
 # Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 3 parts, SmolLM2 GGUF parts)
-#              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 41.5 MiB bundle, cut to ride along)
-# Then seven back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
-# each call's carry list and size, all under the 64 MiB a call carries; as packed on 2026-12-01 (2.7 MiB of
-# working tree in every call):
+#              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)
+#              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier session sent
+#                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
+# Then eight back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
+# each call's carry list and size, all under the 64 MiB a call carries; as packed on 2026-12-01 (3.0 MiB of
+# working tree in every call; FlashInfer now keeps its norm module's sources, so the bundle no longer fits
+# the room of calls 1-6 and one stash call goes before the vLLM call, which starts SGLang's warm-up):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json,
 #            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh preflight  (installs both
@@ -19,20 +22,27 @@
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
 #   5 carry [.vllm/vllm.zip.part-ab, .sglang/sglang.tar.part-04]                  63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   6 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-05]                  62.4 MiB
+#   6 carry [.sglang/sglang.tar.part-06, .sglang/jit]                             10.2 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
+#   7 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-05]                  63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
 #                                                 one vllm.LLM per export + bf16, then the report; SGLang's
-#                                                 parts are all there now, so it is installed and its FP4-Marlin
-#                                                 JIT kernels built in the background meanwhile, CPU work)
-#   7 carry []                                     2.7 MiB
+#                                                 parts are all there now, so in the background it is installed,
+#                                                 the carried JIT caches whose stamp matches this machine are put
+#                                                 in place, and the JIT modules of its Llama path are built:
+#                                                 FlashInfer's norm, SGLang's Marlin, activation, RoPE, KV store,
+#                                                 positions; seconds per module in $WORK/sglang-warm.json)
+#   8 carry []                                     3.0 MiB
 #                                                 bash benchmarks/gpu/engines.sh sglang     (~4-6 min: waits for
 #                                                 that warm-up, one sglang.Engine for bf16 and one for the
 #                                                 ModelOpt NVFP4 export, then the report with both engines)
-# About 19-21 device minutes in all, machine starts included (calls 1-6 as before, ~15 min; call 7 ~5 min).
-# If call 7 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
-# the JIT cache in /tmp/qf-tvmffi too. Results: $OUT/engines.md, engines.json (+ each model's vllm.json /
-# sglang.json and logs under $WORK, $OUT/sglang_logs.tgz). `bash benchmarks/gpu/engines.sh report` re-makes
-# the report from $WORK alone.
+# About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min).
+# If call 8 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
+# the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
+# model's vllm.json / sglang.json and logs under $WORK, $OUT/sglang_logs.tgz), and the built JIT modules with
+# the stamp of what built them ($OUT/jit-tvmffi.tgz, $OUT/jit-flashinfer.tgz: stage them here with
+# `stage.sh stage-jit` for the next session). `bash benchmarks/gpu/engines.sh report` re-makes the report
+# from $WORK alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -43,19 +53,29 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # the package is not pip-installed there: exporters/ importable as qatfactory.exporters (device-local link)
 [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
 OURS="/tmp/site:$PWD"
-# SGLang's JIT kernels (tvm-ffi + nvcc): one cache for the background warm-up and the runs
+# SGLang's JIT kernels: one cache each for the background warm-up and the runs, SGLang's own (tvm-ffi + nvcc)
+# and FlashInfer's (its norm module; FlashInfer puts it in $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)
 export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/qf-tvmffi}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/qf-flashinfer}
 
-sglang_warm() {   # install SGLang and build its FP4-Marlin JIT kernels in the background, once
+sglang_env() {    # FlashInfer's extra nvcc/ld flags where this CUDA lacks cuBLAS/cuRAND headers or libcuda.so
+    local lines
+    lines=$(python3 benchmarks/gpu/sglang_jit.py cuda-env 2>&1) || { echo "sglang_jit cuda-env: $lines" >&2; return 0; }
+    echo "$lines" | grep '^#' || true
+    eval "$(echo "$lines" | grep '^export ')"
+}
+
+sglang_warm() {   # install SGLang, its carried JIT caches, and build its JIT kernels in the background, once
     [ -f /tmp/qf-parts/sglang.manifest.json ] || return 0
     [ -f "$WORK/sglang-warm.pid" ] && return 0
     python3 benchmarks/gpu/carry_plan.py ready --parts /tmp/qf-parts >/dev/null 2>&1 || return 0
+    sglang_env
     # from a copy: the next call replaces this working tree while the warm-up still runs
     rm -rf /tmp/qf-sgwarm && mkdir -p /tmp/qf-sgwarm/benchmarks/gpu
-    cp benchmarks/gpu/{stage.sh,carry_plan.py,engines.py,engines_sglang.py} /tmp/qf-sgwarm/benchmarks/gpu/
+    cp benchmarks/gpu/{stage.sh,carry_plan.py,engines.py,engines_sglang.py,sglang_jit.py} /tmp/qf-sgwarm/benchmarks/gpu/
     setsid bash -c "bash /tmp/qf-sgwarm/benchmarks/gpu/stage.sh install-sglang && \
-        PYTHONPATH=/tmp/sgsite timeout 1500 python3 /tmp/qf-sgwarm/benchmarks/gpu/engines.py sglang-warm --work '$WORK'" \
-        > "$WORK/sglang-warm.log" 2>&1 < /dev/null &
+        PYTHONPATH=/tmp/sgsite timeout 1500 python3 /tmp/qf-sgwarm/benchmarks/gpu/engines.py sglang-warm --work '$WORK' \
+        --jit-dir /tmp/qf-parts/jit" > "$WORK/sglang-warm.log" 2>&1 < /dev/null &
     echo $! > "$WORK/sglang-warm.pid"
     echo "SGLang install + JIT warm-up started in the background (pid $!, log $WORK/sglang-warm.log)"
 }
@@ -92,14 +112,18 @@ case $cmd in
             warm_alive && { echo "the background SGLang install is still running after 300 s: see $WORK/sglang-warm.log" >&2; exit 2; }
             bash benchmarks/gpu/stage.sh install-sglang || exit 2
         fi
+        sglang_env
         PYTHONPATH=/tmp/sgsite timeout -k 10 "${T_SGLANG:-450}" python3 benchmarks/gpu/engines.py sglang --work "$WORK" "$@" \
             2>&1 | tee "$OUT/engines_sglang.log"
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/sglang_logs.tgz" */sglang.log */sglang.json sglang-warm.* 2>/dev/null)
-        # the built JIT kernels come back if small enough to carry next time (stage.sh does not use them yet)
-        tar czf /tmp/qf-tvmffi.tgz -C "$TVM_FFI_CACHE_DIR" . 2>/dev/null \
-            && [ "$(stat -c %s /tmp/qf-tvmffi.tgz)" -lt $((15 * 1024 * 1024)) ] && cp /tmp/qf-tvmffi.tgz "$OUT/" ;;
+        # the built JIT modules (.so files + the stamp of what built them) come back, to be carried next time
+        # (here: bash benchmarks/gpu/stage.sh stage-jit jit-tvmffi.tgz jit-flashinfer.tgz)
+        for kind in tvmffi flashinfer; do
+            PYTHONPATH=/tmp/sgsite python3 benchmarks/gpu/sglang_jit.py pack --kind $kind --out "/tmp/jit-$kind.tgz" \
+                && [ "$(stat -c %s "/tmp/jit-$kind.tgz")" -lt $((15 * 1024 * 1024)) ] && cp "/tmp/jit-$kind.tgz" "$OUT/"
+        done ;;
     report)
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" "$@" ;;
     *) echo "usage: $0 stash|preflight|students|vllm|sglang|report" >&2; exit 2 ;;

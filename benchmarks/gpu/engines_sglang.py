@@ -8,7 +8,8 @@ the students.
 How SGLang 0.5.17 is driven, and why (read from its source, 2026-12-01):
   * ``sglang.Engine(model_path=export, attention_backend="triton", sampling_backend="pytorch", ...)``: the
     Triton attention backend needs no FlashAttention (the carried sglang-kernel has no flash_ops) and the
-    PyTorch sampler no FlashInfer kernel (FlashInfer is carried without its JIT sources);
+    PyTorch sampler no FlashInfer kernel; FlashInfer's ``norm`` JIT module is built all the same (every
+    RMSNorm calls it: sglang_jit.py), so FlashInfer is carried with that module's sources and headers;
     ``grammar_backend="none"`` (xgrammar is 0.2.9, not the pinned 0.2.1); ``skip_tokenizer_init`` (ids in,
     ids out); the radix cache off, so every prompt's log-probabilities are computed, none reused.
   * prompt log-probabilities: ``generate(input_ids=..., return_logprob=True, logprob_start_len=0,
@@ -18,7 +19,8 @@ How SGLang 0.5.17 is driven, and why (read from its source, 2026-12-01):
     below SM100, to the FP4 Marlin GEMM (fp4_gemm_runner_backend "auto" -> "marlin"): weights FP4,
     activations bf16, as vLLM's Marlin path. The Marlin kernels are JIT-compiled (tvm-ffi + nvcc) at
     first use, every instantiation for bf16 in one translation unit; ``warm`` builds them ahead
-    (engines.sh starts it in the background during the vLLM call) into TVM_FFI_CACHE_DIR.
+    (engines.sh starts it in the background during the vLLM call) into TVM_FFI_CACHE_DIR, with FlashInfer's
+    norm (FLASHINFER_WORKSPACE_BASE) and SGLang's other JIT kernels of this path (``warm_modules``).
     ``quant_algo: W4A16_NVFP4`` (our ModelOpt W4A16 export) is refused by ModelOptFp4Config.from_config
     (only FP8 / NVFP4 / NVFP4_AWQ outside MIXED_PRECISION checkpoints); expected, not yet seen.
 """
@@ -34,7 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 GEN_TOKENS = 64
 THROUGHPUT_TOKENS = 256
@@ -106,6 +108,19 @@ def _jit_listing(cache: Optional[str]) -> List[str]:
     return sorted(p.name for p in Path(cache).iterdir() if p.is_dir())
 
 
+def _fi_listing() -> List[str]:
+    """FlashInfer's built modules: "jit:<name>" under FLASHINFER_WORKSPACE_BASE, "aot:<name>" carried ones."""
+    import importlib.util
+    out = []
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE")
+    if base:
+        out += [f"jit:{Path(p).parent.name}" for p in Path(base).glob(".cache/flashinfer/*/*/cached_ops/*/*.so")]
+    spec = importlib.util.find_spec("flashinfer")
+    if spec and spec.origin:
+        out += [f"aot:{Path(p).parent.name}" for p in (Path(spec.origin).parent / "data" / "aot").glob("*/*.so")]
+    return sorted(set(out))
+
+
 def sglang_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> None:
     """Runs inside SGLang's Python path, one model per process."""
     import numpy as np
@@ -114,7 +129,7 @@ def sglang_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> No
     from sglang.srt.entrypoints.engine import Engine
     toks = json.loads(Path(tokens_json).read_text())
     cache = os.environ.get("TVM_FFI_CACHE_DIR")
-    jit_before = set(_jit_listing(cache))
+    jit_before, fi_before = set(_jit_listing(cache)), set(_fi_listing())
     res: Dict[str, Any] = {"model_dir": model_dir, "engine": "sglang", "sglang": sglang.__version__,
                            "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
@@ -165,8 +180,9 @@ def sglang_one(model_dir: str, tokens_json: str, out_json: str, topk: int) -> No
     except Exception as e:
         res["loaded_but_failed"] = f"{type(e).__name__}: {str(e)[:400]} | " + traceback.format_exc()[-1500:]
     finally:
-        jit = _jit_listing(cache)
-        res["jit_modules"] = {"present": jit, "built_here": sorted(set(jit) - jit_before)}
+        jit, fi = _jit_listing(cache), _fi_listing()
+        res["jit_modules"] = {"present": jit, "built_here": sorted(set(jit) - jit_before),
+                              "flashinfer_present": fi, "flashinfer_built_here": sorted(set(fi) - fi_before)}
         write_json(Path(out_json), res)
         eng.shutdown()
 
@@ -222,15 +238,15 @@ def phase_sglang(a, engines_py: str) -> None:
         if out.exists() and json.loads(out.read_text()).get("throughput"):
             say(f"SGLang {name}: done in an earlier call")
             continue
-        if name != "bf16" and not waited:
-            # bf16 needs no Marlin: only a quantized model waits for the background build, so that
-            # two builds of one module never share its build folder
+        if not waited:
+            # every model waits for the background build (bf16 too: its RMSNorm, activation, RoPE and KV store
+            # are JIT modules the warm-up builds), so that two builds of one module never share a build folder
             warm, waited = wait_warm(work, a.warm_wait), True
             if warm:
                 say(f"JIT warm-up: {warm.get('modules')} done={warm.get('done')}")
             if warm_running(work):
                 say(f"the JIT warm-up is still building after {a.warm_wait} s ({work / 'sglang-warm.log'}): "
-                    f"the quantized models wait for the next call")
+                    f"the models wait for the next call")
                 return
         t = time.time()
         say(f"SGLang {name}: {d}")
@@ -291,26 +307,142 @@ def describe(v: Dict[str, Any]) -> List[str]:
     for fam in sorted({jit_family(m) for m in jit.get("present", [])}):
         if "marlin" in fam:
             out.append(f"JIT {fam} ({'built in this run' if fam in built else 'built earlier'})")
+    fi_built = set(jit.get("flashinfer_built_here", []))
+    for m in jit.get("flashinfer_present", []):
+        kind, name = m.split(":", 1)
+        how = "carried from an earlier session" if kind == "aot" else ("built in this run" if m in fi_built else "built earlier")
+        out.append(f"FlashInfer JIT {name} ({how})")
     return out
 
 
+def _model_shape(work: Path) -> Dict[str, int]:
+    """What SGLang's JIT template arguments depend on, from the bf16 model's config.json (the Llama exports
+    share it): head_dim, KV heads, the rotary dim (RotaryEmbedding's cos_sin_cache width)."""
+    st = json.loads((work / "students.json").read_text())
+    cfg = json.loads((Path(st["prep"]["model_dir"]) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"head_dim": head_dim, "kv_heads": cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            "rotary_dim": int(head_dim * cfg.get("partial_rotary_factor", 1.0))}
+
+
+def warm_modules(shape: Optional[Dict[str, int]]):
+    """(name, build) for every JIT module the Llama path reaches (read from SGLang 0.5.17 / FlashInfer 0.6.15's
+    source; sglang_jit.py FLASHINFER_MODULES says where FlashInfer's are reached), each built exactly as the
+    engine's first call builds it, so the engine finds it in the cache:
+      flashinfer_norm      every RMSNorm (sgl_kernel rmsnorm / fused_add_rmsnorm -> flashinfer.norm);
+                           checked on a tiny bf16 tensor against torch, so a carried .so that is wrong is caught
+      gptq_marlin_repack   NVFP4 weights repacked for Marlin at load (marlin_utils_fp4.py:152)
+      gptq_marlin_bf16     the FP4 Marlin GEMM, every instantiation for bf16 (marlin_utils_fp4.py:102)
+      activation_bf16      SiluAndMul (layers/activation.py:95: the JIT kernel when the width is a multiple of 8)
+      fused_rope           RotaryEmbedding.forward_cuda -> apply_rope_inplace (rope.py:142: is_neox, rotary dim,
+                           bf16 q and k)
+      kvcache              the KV-cache store (memory_pool.py:157: K and V rows of kv_heads*head_dim*2 bytes)
+      clamp_position_i64   decode positions from the int64 seq_lens (forward_batch_info.py:904)"""
+    import torch
+
+    def norm_check():
+        from flashinfer.norm import fused_add_rmsnorm, rmsnorm
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(3, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+        r = torch.randn(3, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+        w = torch.rand(64, dtype=torch.bfloat16, device="cuda", generator=g) + 0.5
+
+        def ref(v):
+            v = v.float()
+            return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+        xi, ri = x.clone(), r.clone()
+        fused_add_rmsnorm(xi, ri, w, 1e-6)          # ri <- r + x, xi <- rmsnorm(ri) * w
+        for what, got, want in (("rmsnorm", rmsnorm(x, w, 1e-6), ref(x)), ("fused_add_rmsnorm", xi, ref(r.float() + x.float()))):
+            err = float((got.float() - want).abs().max())
+            if not err <= 0.02 * float(want.abs().max()):
+                raise RuntimeError(f"flashinfer {what} differs from torch by {err}")
+
+    def norm():
+        from flashinfer.jit.norm import gen_norm_module
+        spec = gen_norm_module()
+        carried = spec.is_aot                        # installed from a carried cache (sglang_jit.unpack)
+        spec.build_and_load()
+        try:
+            norm_check()
+        except Exception as e:
+            if not carried:
+                raise
+            # a carried module that fails: ours to remove (unpack put it there); built here instead, where
+            # the engine's own process will find it (this process keeps the bad one loaded)
+            spec.aot_path.unlink()
+            spec.build(verbose=False)
+            return f"carried {spec.aot_path} failed its check ({type(e).__name__}: {e}); removed, built here"
+        return "carried, checked against torch" if carried else "built here, checked against torch"
+
+    def marlin_repack():
+        from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
+        _jit_gptq_marlin_repack_module()
+
+    def marlin_bf16():
+        from sglang.kernels.ops.quantization.gptq_marlin import _jit_gptq_marlin_module
+        _jit_gptq_marlin_module(torch.bfloat16)
+
+    mods = [("flashinfer_norm", norm), ("gptq_marlin_repack", marlin_repack), ("gptq_marlin_bf16", marlin_bf16)]
+    if shape:      # each import inside its builder: one renamed in a later SGLang costs that module alone
+        row = shape["kv_heads"] * shape["head_dim"] * 2
+
+        def activation():
+            from sglang.kernels.ops.activation.activation import activation_module
+            activation_module(torch.bfloat16)
+
+        def rope():
+            from sglang.kernels.ops.attention.rope import _jit_fused_rope_module
+            _jit_fused_rope_module(True, shape["rotary_dim"], torch.bfloat16, torch.bfloat16)
+
+        def kvcache():
+            from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+            _jit_kvcache_module(row, row)
+
+        def clamp_position():
+            from sglang.kernels.ops.attention.clamp_position import _jit_clamp_position_module
+            _jit_clamp_position_module(torch.int64)
+
+        mods += [("activation_bf16", activation), ("fused_rope", rope), ("kvcache", kvcache),
+                 ("clamp_position_i64", clamp_position)]
+    return mods
+
+
 def warm(a) -> None:
-    """Build SGLang's FP4-Marlin JIT modules ahead (CPU-bound nvcc work; the GPU only names the arch)."""
+    """Build SGLang's and FlashInfer's JIT modules ahead (CPU-bound nvcc work; the GPU only names the arch and
+    runs one tiny check), after installing the caches an earlier session built (sglang_jit.py unpack: only
+    those whose stamp is this machine's)."""
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    rec: Dict[str, Any] = {"started": time.time(), "cache": os.environ.get("TVM_FFI_CACHE_DIR"), "modules": {}}
+    rec: Dict[str, Any] = {"started": time.time(), "cache": os.environ.get("TVM_FFI_CACHE_DIR"),
+                           "flashinfer_workspace": os.environ.get("FLASHINFER_WORKSPACE_BASE"),
+                           "flashinfer_extra": {k: os.environ.get(k) for k in ("FLASHINFER_EXTRA_CUDAFLAGS",
+                                                                               "FLASHINFER_EXTRA_LDFLAGS")},
+                           "carried": [], "modules": {}}
     out = work / "sglang-warm.json"
     write_json(out, rec)
     try:
-        import torch
-        from sglang.kernels.ops.quantization.gptq_marlin import _jit_gptq_marlin_module
-        from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
-        for name, fn in (("gptq_marlin_repack", _jit_gptq_marlin_repack_module),
-                         ("gptq_marlin_bf16", lambda: _jit_gptq_marlin_module(torch.bfloat16))):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import sglang_jit as J
+        ours = J.current_stamp()
+        rec["stamp"] = ours
+        for t in sorted(Path(a.jit_dir).glob("*.tgz")) if a.jit_dir else []:
+            try:
+                rec["carried"].append(J.unpack(t, ours))
+            except (ValueError, OSError) as e:
+                rec["carried"].append({"file": t.name, "used": False, "why": f"{type(e).__name__}: {e}"})
+        write_json(out, rec)
+        try:
+            shape = _model_shape(work)
+        except (OSError, KeyError, ValueError) as e:
+            shape, rec["shape_error"] = None, f"{type(e).__name__}: {e}"
+        rec["shape"] = shape
+        for name, fn in warm_modules(shape):
             t = time.time()
             try:
-                fn()
+                note = fn()
                 rec["modules"][name] = round(time.time() - t, 1)
+                if isinstance(note, str):
+                    rec.setdefault("notes", {})[name] = note
             except Exception as e:
                 rec["modules"][name] = f"{type(e).__name__}: {str(e)[-800:]}"
             write_json(out, rec)

@@ -15,7 +15,12 @@
 #   bash benchmarks/gpu/stage.sh install-sglang  # /tmp/sgsite <- SGLang's reassembled bundle (sha256 checked)
 #                                                # + the shared pins from .vllm/deps, then an import check
 # SGLang (here, after `pack`): bash benchmarks/gpu/stage.sh pack-sglang  (.sglang/: one tar of slimmed
-# wheels cut into parts that ride in the room the six vLLM calls leave; carry_plan.py decides)
+# wheels cut into parts that ride in the room the six vLLM calls leave, the rest in a stash call before the
+# vLLM call; carry_plan.py decides)
+#   bash benchmarks/gpu/stage.sh stage-jit X.tgz...  # JIT caches an earlier GPU session built and sent back
+#                                                # ($OUT/jit-*.tgz) -> .sglang/jit, carried before the warm-up,
+#                                                # used there only if built by the same torch/nvcc/GPU/versions
+#   bash benchmarks/gpu/stage.sh slim-wheel WHL  # apply the SGLANG_SLIM rules below to one wheel, in place
 #
 # vLLM 0.24.0 is the newest release whose torch pin (==2.11.0) and CUDA 13 extensions match the image.
 # Its wheel is 279 MB; two files are left out of the carried copy, both unused by offline `vllm.LLM` on an
@@ -56,9 +61,13 @@ VLLM_DEPS=(
 #   sglang-kernel  sgl_kernel/flash_ops (FlashAttention 3, 326 of the 365 MB; loaded only by
 #                  sgl_kernel.flash_attn, i.e. attention_backend="fa3"), sm100/ (Blackwell's common_ops),
 #                  infllm_ops and flashmla_ops (lazily loaded, other models); Hopper loads sm90/common_ops
-#   flashinfer     flashinfer/data/ (cutlass/cccl headers and sources for FlashInfer's own JIT: imported at
-#                  module level by SGLang's fp8 utils and sampler, but with attention_backend="triton" and
-#                  sampling_backend="pytorch" no FlashInfer kernel is built or run)
+#   flashinfer     flashinfer/data/ (sources and headers for FlashInfer's own JIT) except what the FlashInfer
+#                  JIT modules SGLang builds on this path need (SGLANG_KEEP_FLASHINFER, sglang_jit.py keeps:
+#                  their sources, the headers those include, the vendored CCCL headers). One module is built:
+#                  `norm`, by every RMSNorm (sgl_kernel's rmsnorm / fused_add_rmsnorm call flashinfer.norm for
+#                  bf16; the first H200 run, 2026-12-01, failed there when its norm.cu had been removed). No
+#                  other FlashInfer kernel runs with attention_backend="triton", sampling_backend="pytorch",
+#                  temperature 0, NVFP4 on Marlin (sglang_jit.py says where each was ruled out)
 #   sglang         multimodal_gen/ (diffusion), srt/server/_core, srt/grpc/_core (the HTTP/gRPC servers)
 #                  and srt/multimodal/_core (one multimodal processor)
 # transformers is pinned ==5.12.1 by SGLang and the image's 5.17 breaks its import (sglang.srt.configs
@@ -82,6 +91,8 @@ SGLANG_SLIM=(   # wheel-name prefix : zip patterns removed
     "sglang_kernel-:sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100/* sgl_kernel/infllm_ops* sgl_kernel/flashmla_ops.abi3.so"
     "flashinfer_python-:flashinfer/data/*"
 )
+# of what SGLANG_SLIM removes from a wheel, what FlashInfer JIT modules keep (wheel prefix : modules)
+SGLANG_KEEP_FLASHINFER=("flashinfer_python-:norm")
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in 1 5 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -95,6 +106,27 @@ fetch() {   # fetch DIR SPEC...: wheels for the GPU machine's Python 3.12
             python3 -m pip wheel -q --no-deps --no-cache-dir -w "$dir" "$name"
         else
             python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$dir" "$name"
+        fi
+    done
+}
+
+slim_wheel() {   # slim_wheel WHL: remove SGLANG_SLIM's patterns from it, keeping SGLANG_KEEP_FLASHINFER's files
+    local whl=$1 base spec pre pats keep k
+    base=$(basename "$whl")
+    for spec in "${SGLANG_SLIM[@]}"; do
+        pre=${spec%%:*}; pats=${spec#*:}
+        [[ $base == "$pre"* ]] || continue
+        keep=""
+        for k in "${SGLANG_KEEP_FLASHINFER[@]}"; do [[ $base == "${k%%:*}"* ]] && keep=${k#*:}; done
+        if [ -n "$keep" ]; then
+            # shellcheck disable=SC2086  # the patterns are zip's own wildcards
+            (set -f; python3 benchmarks/gpu/sglang_jit.py drop-list "$whl" $pats --keep-flashinfer "$keep") \
+                > "$whl.drop" || return 2
+            [ -s "$whl.drop" ] && zip -q -d -nw "$whl" -@ < "$whl.drop"
+            rm -f "$whl.drop"
+        else
+            # shellcheck disable=SC2086
+            (set -f; zip -q -d "$whl" $pats)
         fi
     done
 }
@@ -133,19 +165,27 @@ case $cmd in
         tmp=$(mktemp -d)
         fetch "$tmp/w" "${SGLANG_WHEELS[@]}"
         for spec in "${SGLANG_SLIM[@]}"; do
-            pre=${spec%%:*}; pats=${spec#*:}
-            whl=$(ls "$tmp/w/$pre"*.whl)
+            whl=$(ls "$tmp/w/${spec%%:*}"*.whl)
             sha256sum "$whl" | cut -d' ' -f1 > "$whl.orig-sha256"
-            # shellcheck disable=SC2086  # the patterns are zip's own wildcards
-            (set -f; zip -q -d "$whl" $pats)
+            slim_wheel "$whl" || { echo "pack-sglang: slimming $whl failed" >&2; exit 2; }
         done
         (cd "$tmp/w" && tar --sort=name --mtime=@0 --owner=0 --group=0 -cf "$tmp/sglang.tar" -- *.whl)
         python3 benchmarks/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang \
             --margin-kib "${SGLANG_MARGIN_KIB:-512}" > "$tmp/parts.json"
         python3 benchmarks/gpu/carry_plan.py manifest --bundle "$tmp/sglang.tar" --wheels "$tmp/w" \
             --parts-json "$tmp/parts.json" --version "$SGLANG_VERSION" --shared "${SGLANG_FROM_VLLM[*]}" \
-            --slim "${SGLANG_SLIM[@]}"
+            --slim "${SGLANG_SLIM[@]}" --keep "${SGLANG_KEEP_FLASHINFER[@]}"
         rm -rf "$tmp"
+        bash "$0" plan ;;
+    slim-wheel)
+        [ -f "${2:-}" ] || { echo "usage: $0 slim-wheel WHEEL" >&2; exit 2; }
+        slim_wheel "$2" ;;
+    stage-jit)
+        # caches a GPU session sent back ($OUT/jit-tvmffi.tgz, jit-flashinfer.tgz): checked, copied to
+        # .sglang/jit with their sha256 and stamp, then the plan (they ride before the warm-up)
+        shift
+        mkdir -p .sglang; [ -f .sglang/.gitignore ] || echo '*' > .sglang/.gitignore
+        python3 benchmarks/gpu/sglang_jit.py stage "$@" --dest .sglang/jit || exit 2
         bash "$0" plan ;;
     stash)
         mkdir -p "$PARTS"
@@ -156,6 +196,7 @@ case $cmd in
         for f in .vllm/vllm.manifest .vllm/vllm.zip.part-* .sglang/sglang.manifest.json .sglang/sglang.tar.part-*; do
             [ -f "$f" ] && cp "$f" "$PARTS/"
         done
+        if [ -d .sglang/jit ]; then mkdir -p "$PARTS/jit"; cp .sglang/jit/*.tgz .sglang/jit/*.json "$PARTS/jit/" 2>/dev/null || true; fi
         [ -d .gpu ] && bash benchmarks/gpu/pipeline.sh stash >/dev/null
         ls "$PARTS" ;;
     install-ours)
@@ -221,5 +262,5 @@ print('SGLang import OK: sglang-kernel', sgl_kernel.__version__, '| flashinfer',
       '| transformers', transformers.__version__, '|', sgl_kernel.common_ops.__file__)" || exit 2
         touch /tmp/sgsite/.qf-installed    # engines.sh sglang waits for this marker
         echo "SGLang $SGLANG_VERSION in /tmp/sgsite ($(du -sh /tmp/sgsite | cut -f1))" ;;
-    *) echo "usage: $0 pack|pack-sglang|plan|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|pack-sglang|plan|stage-jit|slim-wheel|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
 esac
