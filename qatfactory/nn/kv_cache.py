@@ -25,6 +25,12 @@ Scales (formats with a per-layer scale: fp8, nvfp4), per attention layer, K and 
              the buffers keep the running max. The engine has one static scale per layer, so
              :func:`freeze_kv_scales` (ship the running max) or calibrate must come before convert.
 
+Attention (``QuantConfig.kv_attention``, issue 22b): on vLLM's ``fp8_e4m3`` cache the quantizer's
+``attention`` ("fa3" = vLLM's FLASH_ATTN, the default; "triton" = TRITON_ATTN) makes the wrapper run the
+engine's FP8 attention arithmetic instead of the inner implementation on fake-quantized K/V
+(nn/kv_attention.py, formats/kv_attention.py); "none" keeps the cache-only emulation. Calibration
+always runs the inner attention on unquantized K/V.
+
 llama.cpp cache types have no per-tensor scale (one fp16 scale per 32 elements, computed at write
 time). For them on the ``llama`` GGUF architecture (Llama, Mistral, Mixtral), K is quantized in the
 converter's permuted element order (:func:`qatfactory.formats.kv.gguf_k_order`), as llama.cpp's
