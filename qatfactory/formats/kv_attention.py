@@ -69,7 +69,8 @@ The emulation (:func:`fp8_attention`) is a **transcription, not bit-exact**: it 
 a row at once and then, per key tile, the running max the kernel had at that tile (a cumulative max
 over tiles in the kernel's order), so P's FP8 rounding uses the same reference point as the kernel;
 each tile's ``P8 @ V8`` is weighted by ``exp(m_tile - m_final)`` instead of the kernel's chain of
-per-step rescales; fp32 matmuls and ``torch.exp2`` replace FP8 WGMMA accumulation and ``ex2.approx``;
+per-step rescales; fp32 matmuls and ``torch.exp2`` replace FP8 WGMMA accumulation and ``ex2.approx``,
+and FA3's fused ``s*c - max_scaled`` (FFMA) is two roundings here;
 FA3's split-KV (a heuristic for few query blocks) and Triton's segmented decode kernel (3-D, for
 decode batches) each keep a max per split, which this does not model. The Q cast and the cache
 bytes are exact.
