@@ -73,9 +73,12 @@ def check_kv(converted: ConvertedModel, engine: str, flavour: str) -> None:
     att = kv_attention_of(converted)
     if att != "none":
         rule = get_kv_attention(att)
-        if engine != "vllm" or name not in rule.kv_formats:
+        if engine != "vllm":
             raise KVExportError(f"{engine}/{flavour}: the student was trained with {rule.engine}'s FP8 attention "
                                 f"({att!r}) on the {name!r} cache, which only vLLM runs; export for vllm")
+        if name not in rule.kv_formats:
+            raise KVExportError(f"vllm/{flavour}: the FP8 attention rule {att!r} reads the {list(rule.kv_formats)} "
+                                f"cache, not {name!r}; the student's record pairs them")
     if engine in ("vllm", "sglang"):
         if flavour == "modelopt" and spec.modelopt_algo is None:
             raise KVExportError(f"{engine}/modelopt: KV-cache format {name!r} has no ModelOpt kv_cache_quant_algo")
