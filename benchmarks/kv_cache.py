@@ -7,6 +7,12 @@ with a bf16 vs an FP8 vs an NVFP4 KV cache, at two sequence lengths, plus the en
 On the GPU machine (the wheels staged as for benchmarks/gpu/engines.sh, our stack in /tmp/site):
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/kv_cache.py --out $OUT --work /tmp/qf-kv --vllm-site /tmp/vsite
+    # the FP8-attention check (one 2K fp8 arm trained with the fa3 emulation, vLLM served with both backends):
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/kv_cache.py --out $OUT/kv --work /tmp/qf-kv --vllm-site /tmp/vsite \
+        --seqs 2048 --kv fp8_e4m3 --steps 30
+
+An arm's run directory carries its attention rule (``seq2048-fp8_e4m3-fa3``): an arm trained with another
+emulation (the cache-only ``seq2048-fp8_e4m3`` of 2026-12-01) is never reused for it.
 
 Per sequence length (default 2048 and 8192; SmolLM2 has an 8K context) and KV arm (``none`` = the
 model-dtype cache, ``fp8_e4m3`` = vLLM's FP8 write rule with calibrated per-layer k/v scales,
@@ -20,12 +26,20 @@ Engine checks (need a CUDA device; reported as not run otherwise, never as passe
 
 * ``vllm_op``: vLLM's own ``reshape_and_cache_flash`` op with ``kv_cache_dtype="fp8"`` on bf16 K/V with
   a calibrated scale: its cache bytes against ``fp8_e4m3``'s (formats/kv_fp8.py) byte for byte.
+* ``vllm_q_cast``: vLLM's ``scaled_fp8_quant`` (the op behind the FP8 attention's query cast) on a bf16 query
+  with q_scale 1.0 (what vLLM uses without a checkpoint q_scale) and 0.37, against formats/kv_attention.py's
+  ``query_values`` byte for byte (needs vLLM importable, as ``vllm_op``).
 * ``torch_cuda``: what SGLang's write does, ``cache_k.div_(k_scale).to(float8_e4m3fn)`` on the GPU,
   against ``fp8_e4m3_sglang``; and whether torch's CUDA cast saturates (the rule says: NaN above 464).
 * ``vllm_serve`` (with ``--vllm-site``): vLLM serves the fp8 export with its declared FP8 cache
-  (``--kv-cache-dtype auto`` -> fp8); KL(student trained for it || vLLM) on the held-out tokens, on
-  vLLM's top-K partition (benchmarks/gpu/engines.py), next to KL(the same student without the KV
-  emulation || vLLM): the emulation matches when the first is the smaller.
+  (``--kv-cache-dtype auto`` -> fp8), once per ``--vllm-backends`` entry (default FLASH_ATTN, vLLM's
+  choice on Hopper = FlashAttention 3, and TRITON_ATTN; ``engines.py vllm-one --attention-backend``).
+  The fp8 arm trains with ``--kv-attention`` (default auto = fa3: vLLM's FP8 attention arithmetic,
+  formats/kv_attention.py). Its student is then scored against every backend's prompt log-probs with
+  each emulation switched in (``nn.kv_cache.set_attention``): fa3, triton, cache only (``none``: the
+  issue-22 emulation before the FP8 attention) and a bf16 cache (no KV emulation); KL on vLLM's top-K
+  partition (benchmarks/gpu/engines.py). The emulation matches a backend when its own rule gives the
+  smallest KL there, near the weight-only cells' KL without a KV cache (0.0017 on 2026-12-01).
 
 ``--smoke``: a random 2-layer Llama with a BPE tokenizer trained on the packaged text, sequences of
 32 and 48 tokens, two steps per arm on CPU: every code path (data, calibration with the KV pass,
@@ -47,6 +61,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parent.parent
 GPU = REPO / "benchmarks" / "gpu"
 ARMS = ("none", "fp8_e4m3", "nvfp4_kv")
+BACKENDS = {"FLASH_ATTN": "fa3", "TRITON_ATTN": "triton"}     # vLLM --attention-backend -> our attention rule
 
 
 def say(msg: str) -> None:
@@ -68,6 +83,12 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-export", action="store_true", help="skip the fp8 arm's export + parity gate")
     p.add_argument("--vllm-site", default=None, help="vLLM's Python path: run the vllm_serve check with it")
+    p.add_argument("--vllm-ops-only", action="store_true", dest="vllm_ops_only",
+                   help="internal: run only the checks against vLLM's ops (under vLLM's Python path) into --out")
+    p.add_argument("--kv-attention", default="auto", dest="kv_attention",
+                   help="quant.kv_attention of the fp8 arm: auto (= fa3), fa3, triton or none (cache write only)")
+    p.add_argument("--vllm-backends", default=",".join(BACKENDS), dest="vllm_backends",
+                   help=f"vLLM attention backends to serve the fp8 export with, from {list(BACKENDS)}")
     p.add_argument("--topk", type=int, default=128)
     a = p.parse_args(argv)
     a.seqs = [int(s) for s in (a.seqs or ("32,48" if a.smoke else "2048,8192")).split(",") if s.strip()]
@@ -75,6 +96,12 @@ def parse(argv: List[str]) -> argparse.Namespace:
     bad = [k for k in a.kv if k not in ARMS]
     if bad:
         raise SystemExit(f"--kv: unknown arm(s) {bad}; allowed: {list(ARMS)}")
+    a.vllm_backends = [b.strip() for b in a.vllm_backends.split(",") if b.strip()]
+    bad = [b for b in a.vllm_backends if b not in BACKENDS]
+    if bad:
+        raise SystemExit(f"--vllm-backends: unknown {bad}; allowed: {list(BACKENDS)}")
+    if a.kv_attention not in ("auto", "none", *BACKENDS.values()):
+        raise SystemExit(f"--kv-attention={a.kv_attention!r}; allowed: auto, none, {', '.join(BACKENDS.values())}")
     a.steps = a.steps or (2 if a.smoke else 60)
     a.work = Path(a.work or Path(a.out) / "work")
     return a
@@ -110,14 +137,26 @@ def overrides(a, prep, seq: int, kv: str, run_dir: Path, export: bool) -> List[s
          f"train.precision={'fp32' if a.smoke else 'bf16'}", "train.seed=0", f"method.calib_samples={a.calib}",
          f"run_dir={run_dir}", "export=vllm" if export else "export=none"]
     if kv != "none":
-        o.append(f"quant.kv_format={kv}")
+        o += [f"quant.kv_format={kv}", f"quant.kv_attention={attention_of(a, kv)}"]
     return o
+
+
+def attention_of(a, kv: str) -> str:
+    """The arm's resolved kv_attention (the FP8 attention rules run on fp8_e4m3 only)."""
+    from qatfactory.formats.kv_attention import default_attention
+    if kv == "none":
+        return "none"
+    if kv != "fp8_e4m3":
+        return default_attention(kv)
+    return default_attention(kv) if a.kv_attention == "auto" else a.kv_attention
 
 
 def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
     from qatfactory.ship import train_and_ship as run     # the trainer, then export + gate (export=vllm)
     from qatfactory.train.config import compose
-    rd = a.work / f"seq{seq}-{kv}"
+    att = attention_of(a, kv)
+    # the attention rule is part of the arm's name: an arm trained with another emulation is never reused
+    rd = a.work / (f"seq{seq}-{kv}" + (f"-{att}" if att != "none" else ""))
     done = rd / "kv_arm.json"
     if done.exists():           # trained in an earlier device call on the same machine: reuse, never retrain
         res = json.loads(done.read_text())
@@ -131,7 +170,7 @@ def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
     if eng is not None and hasattr(eng, "destroy"):
         eng.destroy()
     first, last = s.get("eval_first") or {}, s.get("eval_last") or {}
-    res = {"seq": seq, "kv": kv, "run_dir": str(rd), "wall_s": time.time() - t0, "steps": s.get("steps"),
+    res = {"seq": seq, "kv": kv, "attention": att, "run_dir": str(rd), "wall_s": time.time() - t0, "steps": s.get("steps"),
            "command": "python -m qatfactory.train " + " ".join(over),
            "ptq": {k[5:]: first.get(k) for k in ("eval/kl", "eval/ppl", "eval/top1", "eval/tokens")},
            "qad": {k[5:]: last.get(k) for k in ("eval/kl", "eval/ppl", "eval/top1", "eval/tokens")},
@@ -139,7 +178,7 @@ def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
     for k in ("export_dir", "verify", "verify_ok"):
         if k in s:
             res[k] = s[k]
-    say(f"seq {seq} kv {kv}: PTQ KL {res['ptq']['kl']:.5f} ppl {res['ptq']['ppl']:.3f} -> QAD KL "
+    say(f"seq {seq} kv {kv} (attention {att}): PTQ KL {res['ptq']['kl']:.5f} ppl {res['ptq']['ppl']:.3f} -> QAD KL "
         f"{res['qad']['kl']:.5f} ppl {res['qad']['ppl']:.3f} ({res['wall_s']:.0f} s)")
     tmp = done.with_name(".kv_arm.json.tmp")
     tmp.write_text(json.dumps(res, indent=1, default=str))
@@ -174,8 +213,10 @@ def engine_checks(a) -> Dict[str, Any]:
     try:
         from vllm import _custom_ops as ops  # noqa: F401  (needs vLLM importable in this interpreter)
     except Exception as e:
+        if a.vllm_site and not a.vllm_ops_only:     # vLLM's own Python path, in a child process
+            return _vllm_ops_in_child(a, out)
         out["vllm_op"] = {"run": False, "why": f"not run: vLLM's ops not importable here ({type(e).__name__}: {e}); "
-                                               f"run with vLLM's Python path"}
+                                               f"run with vLLM's Python path (--vllm-site)"}
         return out
     nb, bs = 32, 16
     kcache = torch.zeros(nb, bs, H, D, dtype=torch.uint8, device="cuda")
@@ -186,12 +227,42 @@ def engine_checks(a) -> Dict[str, Any]:
     vb = vcache.reshape(-1, H, D)[slots].cpu()
     out["vllm_op"] = {"run": True, "bytes": 2 * kb.numel(), "differ_k": int((kb != f.encode(k, ks)).sum()),
                       "differ_v": int((vb != f.encode(v, vs)).sum())}
+    # the query cast of vLLM's FP8 attention (attention.py: QuantFP8 static per-tensor with _q_scale, 1.0 without a
+    # checkpoint q_scale) with vLLM's own op, on the 2-D [tokens, heads*head_dim] query, against formats/kv_attention.py
+    from qatfactory.formats import codecs as C
+    from qatfactory.formats.kv_attention import query_values
+    q = (torch.randn(T, H * D, generator=g) * torch.linspace(0.01, 500.0, H * D)).to(torch.bfloat16)
+    got = {}
+    for qs in (1.0, 0.37):
+        q8, _ = ops.scaled_fp8_quant(q.cuda(), torch.tensor([qs], dtype=torch.float32, device="cuda"), group_shape=(-1, -1))
+        want_b = C.e4m3_encode(query_values(q, qs))
+        got[str(qs)] = int((q8.view(torch.uint8).cpu() != want_b).sum())
+    out["vllm_q_cast"] = {"run": True, "bytes": q.numel(), "differ_by_q_scale": got,
+                          "saturated": int((q.float().abs() > 448).sum())}
+    return out
+
+
+def _vllm_ops_in_child(a, out: Dict[str, Any]) -> Dict[str, Any]:
+    """engine_checks' vLLM part run by this file under vLLM's Python path (plus this repository for the rules)."""
+    d = a.work / "vllm-ops"
+    d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([a.vllm_site, str(REPO)]))
+    p = subprocess.run([sys.executable, __file__, "--vllm-ops-only", "--out", str(d), "--work", str(a.work)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    (d / "vllm_ops.log").write_text(p.stdout[-10000:] + "\n--- stderr\n" + p.stderr[-20000:])
+    f = d / "vllm_ops.json"
+    child = json.loads(f.read_text()) if f.exists() else {}
+    for k in ("vllm_op", "vllm_q_cast"):
+        out[k] = child.get(k) or {"run": False, "why": f"not run: the vLLM child failed (rc {p.returncode}; "
+                                                        f"{d / 'vllm_ops.log'}): {p.stderr[-300:]}"}
     return out
 
 
 def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
-    """vLLM serves the fp8 export (its declared FP8 cache); KL of the student with and without the KV
-    emulation to vLLM's prompt log-probabilities."""
+    """vLLM serves the fp8 export (its declared FP8 cache) with each backend of --vllm-backends; the student is
+    scored against each with every emulation switched in (fa3, triton, cache only, bf16 cache)."""
+    import re
+
     import torch
     if a.vllm_site is None:
         return {"run": False, "why": "not run: give --vllm-site (vLLM's Python path) on a GPU machine"}
@@ -206,34 +277,54 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
         if r["kv"] != "fp8_e4m3" or not r.get("export_dir") or not r.get("student_dir"):
             continue
         seq = r["seq"]
-        w = a.work / f"vllm-seq{seq}"
+        w = a.work / f"vllm-seq{seq}-{r.get('attention', 'none')}"
         w.mkdir(parents=True, exist_ok=True)
         toks = engines.heldout_ids(prep_by_seq[seq], argparse.Namespace(eval_seqs=_sizes(a, seq)[1], seq=seq,
                                                                         prompts=1, prompt_len=8))
         (w / "tokens.json").write_text(json.dumps(toks))
         env = dict(os.environ, PYTHONPATH=a.vllm_site)
-        cmd = [sys.executable, str(GPU / "engines.py"), "vllm-one", "--model", r["export_dir"], "--tokens",
-               str(w / "tokens.json"), "--out", str(w / "vllm.json"), "--topk", str(a.topk)]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        (w / "vllm.log").write_text(p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-40000:])
-        vr = json.loads((w / "vllm.json").read_text()) if (w / "vllm.json").exists() else {"loaded": False}
-        cell: Dict[str, Any] = {"loaded": vr.get("loaded"), "mode": vr.get("mode"), "vllm": vr.get("vllm"),
-                                 "kv_cache_dtype": vr.get("kv_cache_dtype"), "error": vr.get("error")}
-        if vr.get("loaded"):
-            import numpy as np
-            z = np.load(w / "vllm.npz")
+        cell: Dict[str, Any] = {"trained_with": r.get("attention"), "backends": {}, "kl": {}}
+        served = {}
+        for b in a.vllm_backends:
+            res_json = w / f"vllm-{b}.json"
+            cmd = [sys.executable, str(GPU / "engines.py"), "vllm-one", "--model", r["export_dir"], "--tokens",
+                   str(w / "tokens.json"), "--out", str(res_json), "--topk", str(a.topk), "--attention-backend", b]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            log = p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-40000:]
+            (w / f"vllm-{b}.log").write_text(log)
+            vr = json.loads(res_json.read_text()) if res_json.exists() else {"loaded": False}
+            used = re.findall(r"Using (\w+) attention backend", log)
+            cell["backends"][b] = {"loaded": vr.get("loaded"), "mode": vr.get("mode"), "vllm": vr.get("vllm"),
+                                   "kv_cache_dtype": vr.get("kv_cache_dtype"), "backend_in_log": used[-1] if used else None,
+                                   "fa_version": (re.findall(r"Using FlashAttention version (\d)", log) or [None])[-1],
+                                   "q_scale_warning": "does not provide a q scaling factor" in log,
+                                   "error": vr.get("error"), "init_errors": [e[:300] for e in vr.get("init_errors") or []]}
+            if vr.get("loaded"):
+                import numpy as np
+                z = np.load(res_json.with_suffix(".npz"))
+                served[b] = (torch.from_numpy(z["ix"]).cuda(), torch.from_numpy(z["lp"]).cuda())
+            say(f"vllm_serve seq {seq}: {b} loaded={vr.get('loaded')} backend in log {cell['backends'][b]['backend_in_log']}")
+        if served:
             ids = torch.tensor(toks["heldout"])
             m = Q.load_student(r["student_dir"], dtype=torch.bfloat16).cuda().eval()
-            kls = {}
-            for label in ("student (KV emulated)", "student (bf16 KV)"):
+            variants = [(f"student ({att} emulation)", att) for att in BACKENDS.values()] + [
+                ("student (cache-only emulation)", "none"), ("student (bf16 KV)", None)]
+            for label, att in variants:
+                if att is None:
+                    KV.detach(m)
+                else:
+                    KV.set_attention(m, att)
                 with torch.no_grad():
-                    lp = torch.log_softmax(m(input_ids=ids.cuda()).logits.float(), -1)[:, :-1].cpu()
-                kl, rest = engines.coarse_kl(lp, torch.from_numpy(z["ix"]), torch.from_numpy(z["lp"]))
-                kls[label] = {"kl": float(kl.mean()), "p_outside_topk": float(rest.mean()),
-                              "top1_agree": float((lp.argmax(-1).numpy() == z["ix"][..., 0]).mean())}
-                say(f"vllm_serve seq {seq}: KL({label} || vLLM fp8 cache) {kls[label]['kl']:.5f}")
-                KV.detach(m)
-            cell["kl"] = kls
+                    lp = torch.log_softmax(m(input_ids=ids.cuda()).logits.float(), -1)[:, :-1]
+                for b, (ix, zlp) in served.items():
+                    kl, rest = engines.coarse_kl(lp, ix, zlp)
+                    cell["kl"].setdefault(b, {})[label] = {
+                        "kl": float(kl.mean()), "p_outside_topk": float(rest.mean()),
+                        "top1_agree": float((lp.argmax(-1) == ix[..., 0]).float().mean())}
+                    say(f"vllm_serve seq {seq}: KL({label} || vLLM {b}) {cell['kl'][b][label]['kl']:.5f}")
+                del lp
+            del m
+            torch.cuda.empty_cache()
         out["cells"][str(seq)] = cell
     return out
 
@@ -252,12 +343,24 @@ def markdown(rep: Dict[str, Any]) -> str:
     for r in rep["results"]:
         b = base.get(r["seq"])
         d = (r["qad"]["kl"] - b["qad"]["kl"]) if b and r["qad"]["kl"] is not None and b["qad"]["kl"] is not None else None
-        L.append(f"| {r['seq']} | {r['kv']} | {_f(r['ptq']['kl'])} | {_f(r['ptq']['ppl'], 3)} | {_f(r['qad']['kl'])} | "
+        kvn = r["kv"] + (f" ({r['attention']} attention)" if r.get("attention", "none") != "none" else "")
+        L.append(f"| {r['seq']} | {kvn} | {_f(r['ptq']['kl'])} | {_f(r['ptq']['ppl'], 3)} | {_f(r['qad']['kl'])} | "
                  f"{_f(r['qad']['ppl'], 3)} | {'' if r['kv'] == 'none' else _f(d)} |")
+    vs = rep["vllm_serve"]
+    for seq, cell in (vs.get("cells") or {}).items():
+        bs = list(cell.get("kl") or {})
+        if not bs:
+            continue
+        L += ["", f"vLLM serving the fp8 export (seq {seq}, student trained with kv_attention={cell.get('trained_with')}): "
+              f"KL(student || vLLM) on vLLM's top-{rep.get('topk', 128)} partition", "",
+              "| student's emulation | " + " | ".join(f"vLLM {b} ({cell['backends'][b].get('backend_in_log')})" for b in bs) + " |",
+              "|---|" + "---|" * len(bs)]
+        for label in next(iter(cell["kl"].values())):
+            L.append(f"| {label} | " + " | ".join(_f(cell["kl"][b][label]["kl"]) for b in bs) + " |")
     L += ["", "Engine checks:", ""]
     for k, v in rep["engine_checks"].items():
         L.append(f"* {k}: {json.dumps(v)}")
-    L.append(f"* vllm_serve: {json.dumps(rep['vllm_serve'], default=str)}")
+    L.append(f"* vllm_serve: {json.dumps(vs, default=str)}")
     for r in rep["results"]:
         if "verify" in r:
             L.append(f"* export seq {r['seq']} {r['kv']}: parity gate {r['verify'].get('verdict')} "
@@ -294,13 +397,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+    if a.vllm_ops_only:
+        (out / "vllm_ops.json").write_text(json.dumps(engine_checks(a), indent=1, default=str))
+        return 0
     results, preps = [], {}
     for seq in a.seqs:
         preps[seq] = prepare(a, seq)
         for kv in a.kv:
             results.append(run_arm(a, preps[seq], seq, kv))
     rep = {"smoke": a.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "format": a.format,
-           "steps": a.steps, "lr": a.lr, "model": "tiny random Llama" if a.smoke else "SmolLM2-135M-Instruct",
+           "steps": a.steps, "lr": a.lr, "topk": a.topk, "kv_attention": a.kv_attention, "model": "tiny random Llama" if a.smoke else "SmolLM2-135M-Instruct",
            "results": results}
     rep["engine_checks"] = engine_checks(a)
     say(f"engine checks: {json.dumps(rep['engine_checks'], default=str)}")

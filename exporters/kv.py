@@ -18,6 +18,12 @@ Containers (the student's scales are ``ConvertedModel.kv_cache["layers"][attn]["
                     exists); qatfactory.json records it with the flags to serve it.
 
 The value written is the scale the student's attention divided by (amax / 448), bit for bit.
+
+Attention (``ConvertedModel.kv_cache["attention"]``): a student trained with vLLM's FP8 attention
+arithmetic (formats/kv_attention.py: ``fa3`` = FLASH_ATTN, ``triton`` = TRITON_ATTN) is served with that
+backend: the flags add ``--attention-backend FLASH_ATTN|TRITON_ATTN`` (FLASH_ATTN is also what vLLM picks
+on Hopper unasked). No q_scale is written: vLLM then quantizes the query with q_scale = 1.0, which is
+what the student trained with (a ``<attn>.q_scale`` tensor would be loaded and change that).
 """
 from __future__ import annotations
 
@@ -27,12 +33,14 @@ import torch
 
 from qatfactory.formats import ConvertedModel
 from qatfactory.formats.kv import get_kv_format, kv_formats_for
+from qatfactory.formats.kv_attention import get_kv_attention
 
 from .base import ExportError
 
 # the engines' own flag for the cache dtype a KV format is served with
 VLLM_FLAG = "--kv-cache-dtype"
 SGLANG_FLAG = "--kv-cache-dtype"
+VLLM_BACKEND_FLAG = "--attention-backend"
 
 
 class KVExportError(ExportError):
@@ -42,6 +50,12 @@ class KVExportError(ExportError):
 def kv_format_of(converted: ConvertedModel) -> Optional[str]:
     kv = getattr(converted, "kv_cache", None) or {}
     return kv.get("format")
+
+
+def kv_attention_of(converted: ConvertedModel) -> str:
+    """The engine attention rule the student trained with ("none": only the cache write)."""
+    kv = getattr(converted, "kv_cache", None) or {}
+    return kv.get("attention") or "none"
 
 
 def check_kv(converted: ConvertedModel, engine: str, flavour: str) -> None:
@@ -56,6 +70,15 @@ def check_kv(converted: ConvertedModel, engine: str, flavour: str) -> None:
                             f"({spec.engine}), which {engine} does not write that way; {engine} runs "
                             f"{runs}. Train with one of those (QuantConfig.kv_format), or export for the engine "
                             f"whose rule it is")
+    att = kv_attention_of(converted)
+    if att != "none":
+        rule = get_kv_attention(att)
+        if engine != "vllm":
+            raise KVExportError(f"{engine}/{flavour}: the student was trained with {rule.engine}'s FP8 attention "
+                                f"({att!r}) on the {name!r} cache, which only vLLM runs; export for vllm")
+        if name not in rule.kv_formats:
+            raise KVExportError(f"vllm/{flavour}: the FP8 attention rule {att!r} reads the {list(rule.kv_formats)} "
+                                f"cache, not {name!r}; the student's record pairs them")
     if engine in ("vllm", "sglang"):
         if flavour == "modelopt" and spec.modelopt_algo is None:
             raise KVExportError(f"{engine}/modelopt: KV-cache format {name!r} has no ModelOpt kv_cache_quant_algo")
@@ -114,13 +137,17 @@ def ct_kv_scheme(converted: ConvertedModel) -> Optional[Dict[str, Any]]:
     return None if name is None else get_kv_format(name).spec.ct_scheme()
 
 
-def serve_flags(name: Optional[str], engine: str) -> str:
-    """The command-line flags that make the engine run the cache type (empty without one)."""
+def serve_flags(name: Optional[str], engine: str, attention: str = "none") -> str:
+    """The command-line flags that make the engine run the cache type (empty without one) and, for a
+    student trained with an engine attention rule, the backend that runs it."""
     if name is None:
         return ""
     s = get_kv_format(name).spec
     if engine == "vllm":
-        return f"{VLLM_FLAG} {s.vllm_cache_dtype}"
+        flags = f"{VLLM_FLAG} {s.vllm_cache_dtype}"
+        if attention != "none":
+            flags += f" {VLLM_BACKEND_FLAG} {get_kv_attention(attention).vllm_backend}"
+        return flags
     if engine == "sglang":
         return f"{SGLANG_FLAG} {s.sglang_cache_dtype}"
     if engine == "llama_cpp":
@@ -135,8 +162,13 @@ def kv_record(converted: ConvertedModel, engine: str) -> Dict[str, Any]:
     if name is None:
         return {"kv_cache": None}
     s = get_kv_format(name).spec
-    rec: Dict[str, Any] = {"format": name, "engine_rule": s.engine, "serve_flags": serve_flags(name, engine),
-                           "numerics": s.as_dict()}
+    att = kv_attention_of(converted)
+    rec: Dict[str, Any] = {"format": name, "engine_rule": s.engine, "serve_flags": serve_flags(name, engine, att),
+                           "numerics": s.as_dict(), "attention": att}
+    if att != "none":
+        r = get_kv_attention(att)
+        rec["attention_rule"] = r.as_dict()
+        rec["attention_backend"] = r.vllm_backend
     if engine == "llama_cpp":
         rec.update({"cache_type_k": s.llama_cpp_type, "cache_type_v": s.llama_cpp_type,
                     "k_order": "gguf (the converter's permuted q/k rows)" if s.head_order == "gguf" else "hf"})

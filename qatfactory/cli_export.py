@@ -128,7 +128,9 @@ def _run(args) -> int:
         print(f"exported {r.engine}/{r.flavour} -> {args.out} ({', '.join(r.files)})")
         kv = r.record.get("kv_cache")   # issue 22: the cache type the student was trained for
         if kv:
-            print(f"KV cache: trained for {kv['format']}; serve it with {kv['serve_flags']}")
+            att = kv.get("attention") or "none"
+            how = f" and vLLM {kv.get('attention_backend')}'s FP8 attention ({att})" if att != "none" else ""
+            print(f"KV cache: trained for {kv['format']}{how}; serve it with {kv['serve_flags']}")
         if args.verify:
             _print_result(r.report, quiet=False)
             if not r.ok:

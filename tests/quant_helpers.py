@@ -106,14 +106,18 @@ def rebuild(cm, out_dir: str):
 
 # ----------------------------------------------------------------------------- KV cache reference
 @contextlib.contextmanager
-def kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
+def kv_reference(m, fmt_name: str, scales=None, gguf_order=None, attention=None):
     """K/V fake quant on a plain transformers model, at another hook point than qatfactory's
     (nn/kv_cache.py wraps the attention interface): the modeling module's ``apply_rotary_pos_emb`` is
     wrapped so the K it returns is fake-quantized, and a forward hook fake-quantizes v_proj's output
     per head. ``scales``: {attention module name: (k_scale, v_scale)} for formats with a per-layer
     scale. Llama-architecture K goes through llama.cpp's element order, built from transformers'
-    GGUF loader's un-permutation (``gguf_order`` overrides the choice). A context manager: the patch and
-    the hooks are removed on exit."""
+    GGUF loader's un-permutation (``gguf_order`` overrides the choice). ``attention`` ("fa3" /
+    "triton"): the model runs eager attention for the duration and the modeling module's
+    ``eager_attention_forward`` is replaced by the engine's FP8 arithmetic (formats/kv_attention.py's
+    rule) on the E4M3 values of the fake-quantized K and V (recovered with torch's own float8 cast of
+    K / k_scale) and eager's additive mask read as "0 = attend". A context manager: the patches and the
+    hooks are removed on exit."""
     import sys as _sys
 
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -157,10 +161,26 @@ def kv_reference(m, fmt_name: str, scales=None, gguf_order=None):
             return fmt.fake_quantize(v, sc(n, 1)).reshape(out.shape)
         hooks.append(mod.v_proj.register_forward_hook(v_hook))
     modeling.apply_rotary_pos_emb = rope
+    base_eager, base_impl = modeling.eager_attention_forward, m.config._attn_implementation
+    if attention is not None:
+        from qatfactory.formats.kv_attention import fp8_attention
+
+        def fp8_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+            n = state["layer"]
+            ks, vs = float(sc(n, 0)), float(sc(n, 1))
+            k8 = (key.float() / ks).to(torch.float8_e4m3fn).float()
+            v8 = (value.float() / vs).to(torch.float8_e4m3fn).float()
+            keep = None if attention_mask is None else attention_mask[..., :key.shape[-2]] == 0
+            out = fp8_attention(attention, query, k8, v8, ks, vs, scaling, keep).to(query.dtype)
+            return out.transpose(1, 2).contiguous(), None
+        modeling.eager_attention_forward = fp8_eager
+        m.config._attn_implementation = "eager"
     assert names
     try:
         yield m
     finally:
         modeling.apply_rotary_pos_emb = base_rope
+        modeling.eager_attention_forward = base_eager
+        m.config._attn_implementation = base_impl
         for h in hooks:
             h.remove()

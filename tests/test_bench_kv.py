@@ -52,7 +52,10 @@ def test_kv_cache_benchmark_smoke(tmp_path, one_thread, monkeypatch):
     assert arms["nvfp4_kv"]["ptq"]["kl"] > arms["none"]["ptq"]["kl"]
     assert arms["fp8_e4m3"]["verify"]["verdict"] == "PASS" and "verify" not in arms["none"]
     ex = json.loads((Path(arms["fp8_e4m3"]["export_dir"]) / "qatfactory.json").read_text())
-    assert ex["kv_cache"]["format"] == "fp8_e4m3" and ex["kv_cache"]["serve_flags"] == "--kv-cache-dtype fp8"
+    assert ex["kv_cache"]["format"] == "fp8_e4m3" and ex["kv_cache"]["attention"] == "fa3"
+    assert ex["kv_cache"]["serve_flags"] == "--kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
+    # the attention rule the fp8 arm trained with (auto = fa3) is in its command and its run directory's name
+    assert "quant.kv_attention=fa3" in arms["fp8_e4m3"]["command"] and arms["fp8_e4m3"]["run_dir"].endswith("-fa3")
     if not torch.cuda.is_available():
         assert rep["engine_checks"]["vllm_op"]["run"] is False and "no CUDA device" in rep["engine_checks"]["vllm_op"]["why"]
         assert rep["vllm_serve"]["run"] is False

@@ -26,9 +26,9 @@ RULE = {("vllm", "FP8"): "fp8_e4m3", ("vllm", "NVFP4"): "nvfp4_kv", ("sglang", "
         ("vllm", "ct8"): "fp8_e4m3", ("sglang", "ct8"): "fp8_e4m3_sglang"}
 
 
-def _student(kind="qwen3", preset="nvfp4_w4a16", kv="fp8_e4m3", **size):
+def _student(kind="qwen3", preset="nvfp4_w4a16", kv="fp8_e4m3", att="auto", **size):
     m = tiny(kind, **size)
-    prepare(m, QuantConfig.preset(preset, kv_format=kv))
+    prepare(m, QuantConfig.preset(preset, kv_format=kv, kv_attention=att))
     calibrate(m, [ids(seed=3), ids(seed=4), ids()])   # ids(): the batch the forwards below compare on
     return m
 
@@ -39,16 +39,21 @@ def _logits(m, x):
         return m(input_ids=x).logits
 
 
-CASES = [("vllm", "modelopt", "llama", "nvfp4_w4a4", "fp8_e4m3"),
-         ("vllm", "compressed-tensors", "qwen3_moe", "nvfp4_w4a16", "fp8_e4m3"),
-         ("sglang", "modelopt", "qwen2", "nvfp4_w4a16", "fp8_e4m3_sglang"),
-         ("sglang", "compressed-tensors", "qwen3", "nvfp4_w4a4", "fp8_e4m3_sglang"),
-         ("vllm", "modelopt", "mixtral", "nvfp4_w4a4", "nvfp4_kv")]
+# engine, flavour, arch, weights, KV format, kv_attention (auto: fa3 on fp8_e4m3, none elsewhere)
+CASES = [("vllm", "modelopt", "llama", "nvfp4_w4a4", "fp8_e4m3", "auto"),
+         ("vllm", "compressed-tensors", "qwen3_moe", "nvfp4_w4a16", "fp8_e4m3", "auto"),
+         ("vllm", "modelopt", "qwen3", "nvfp4_w4a16", "fp8_e4m3", "triton"),
+         ("vllm", "compressed-tensors", "qwen2", "nvfp4_w4a16", "fp8_e4m3", "none"),
+         ("sglang", "modelopt", "qwen2", "nvfp4_w4a16", "fp8_e4m3_sglang", "auto"),
+         ("sglang", "compressed-tensors", "qwen3", "nvfp4_w4a4", "fp8_e4m3_sglang", "auto"),
+         ("vllm", "modelopt", "mixtral", "nvfp4_w4a4", "nvfp4_kv", "auto")]
+BACKEND = {"fa3": "FLASH_ATTN", "triton": "TRITON_ATTN"}      # vLLM's --attention-backend names
 
 
-@pytest.mark.parametrize("engine,flavour,kind,preset,kv", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4]}" for c in CASES])
-def test_safetensors_export_carries_the_kv_cache_and_rebuilds_exactly(tmp_path, engine, flavour, kind, preset, kv):
-    m = _student(kind, preset, kv)
+@pytest.mark.parametrize("engine,flavour,kind,preset,kv,att", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4]}-{c[5]}" for c in CASES])
+def test_safetensors_export_carries_the_kv_cache_and_rebuilds_exactly(tmp_path, engine, flavour, kind, preset, kv, att):
+    m = _student(kind, preset, kv, att)
     x = ids()
     a = _logits(m, x)
     cm = convert(m)
@@ -56,6 +61,9 @@ def test_safetensors_export_carries_the_kv_cache_and_rebuilds_exactly(tmp_path, 
     res = verify(r.path, cm)
     assert res.verdict == "PASS", res.table()
     assert ("kv cache", "k/v scales == student") in rows(res, "ok") and ("kv cache", "config == student") in rows(res, "ok")
+    rec = json.loads((r.path / "qatfactory.json").read_text())["kv_cache"]
+    attention = rec["attention"]
+    assert attention == ({"auto": "fa3" if kv == "fp8_e4m3" else "none"}.get(att, att))
     # the engine's view of the export: what the config declares, the scales as stored
     cfg = json.loads((r.path / "config.json").read_text())["quantization_config"]
     sd = load_file(str(r.path / "model.safetensors"))
@@ -76,9 +84,16 @@ def test_safetensors_export_carries_the_kv_cache_and_rebuilds_exactly(tmp_path, 
     for n in layers:
         assert all(t.dtype == torch.float32 and t.numel() == 1 for t in scales[n])
     re_ = rebuild(cm, str(tmp_path / "r"))
-    with kv_reference(re_, fmt, {n: (k.reshape(()), v.reshape(())) for n, (k, v) in scales.items()}):
+    sc = {n: (k.reshape(()), v.reshape(())) for n, (k, v) in scales.items()}
+    with kv_reference(re_, fmt, sc, attention=None if attention == "none" else attention):
         torch.testing.assert_close(a, _logits(re_, x), atol=0, rtol=0)
-    assert r.record["kv_cache"]["serve_flags"] == f"--kv-cache-dtype {'fp8' if engine == 'vllm' and kv == 'fp8_e4m3' else 'nvfp4' if kv == 'nvfp4_kv' else 'fp8_e4m3'}"
+    if attention != "none":     # the FP8 attention is not a no-op on top of the cache
+        with kv_reference(re_, fmt, sc):
+            assert not torch.equal(a, _logits(re_, x))
+    want = f"--kv-cache-dtype {'fp8' if engine == 'vllm' and kv == 'fp8_e4m3' else 'nvfp4' if kv == 'nvfp4_kv' else 'fp8_e4m3'}"
+    if attention != "none":
+        want += f" --attention-backend {BACKEND[attention]}"
+    assert r.record["kv_cache"]["serve_flags"] == want
 
 
 def test_gguf_export_records_the_cache_type_and_its_flags(tmp_path, capsys):
@@ -120,11 +135,23 @@ def test_a_tampered_scale_or_config_key_fails_the_gate(tmp_path):
     for path, fn in (("hf_quant_config.json", lambda o: o["quantization"].update(kv_cache_quant_algo=None)),
                      ("hf_quant_config.json", lambda o: o["quantization"].pop("kv_cache_quant_algo")),
                      ("config.json", lambda o: o["quantization_config"].update(kv_cache_scheme="int8")),
-                     ("qatfactory.json", lambda o: o["kv_cache"].update(format="fp8_e4m3_sglang"))):
+                     ("qatfactory.json", lambda o: o["kv_cache"].update(format="fp8_e4m3_sglang")),
+                     # issue 22b: the attention rule the student trained with, and the backend flag that runs it
+                     ("qatfactory.json", lambda o: o["kv_cache"].update(attention="triton")),
+                     ("qatfactory.json", lambda o: o["kv_cache"].update(serve_flags="--kv-cache-dtype fp8"))):
         cm, out = _modelopt(tmp_path / f"c{len(path)}{id(fn)}")
         edit_json(out / path, fn)
         res = verify(out, cm, logits=False)
         assert res.verdict == "FAIL" and {c.tensor for c in res.failures} & {"kv cache", "qatfactory.json"}, res.table()
+
+
+def test_a_q_scale_in_the_checkpoint_fails_the_gate(tmp_path):
+    """vLLM would load <attn>.q_scale (weight_utils maybe_remap_kv_scale_name: .q_scale -> .attn.q_scale) and cast
+    the query with it; the student's FP8 attention used q_scale 1.0."""
+    cm, out = _modelopt(tmp_path)
+    assert ("kv cache", "no q_scale (vLLM: q_scale 1.0)") in rows(verify(out, cm, logits=False), "ok")
+    edit_tensors(out, lambda sd: sd.update({"model.layers.0.self_attn.q_scale": torch.tensor(0.05)}))
+    assert ("kv cache", "no q_scale (vLLM: q_scale 1.0)") in rows(verify(out, cm, logits=False), "FAIL")
 
 
 def test_a_kv_cache_the_student_never_saw_is_caught(tmp_path):
@@ -153,6 +180,10 @@ def test_an_engine_that_writes_another_rule_is_refused(tmp_path, engine, kv, msg
     cm = convert(_student("qwen3", "nvfp4_w4a16", "nvfp4_kv"))
     with pytest.raises(ValueError, match="only an 8-bit float kv_cache_scheme; use flavour='modelopt'"):
         export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
+    cm = convert(_student("qwen3", "nvfp4_w4a16", "fp8_e4m3"))
+    cm.kv_cache["format"] = "fp8_e4m3_sglang"        # a record that pairs vLLM's FP8 attention with SGLang's cache
+    with pytest.raises(ValueError, match="FP8 attention \('fa3'\) on the 'fp8_e4m3_sglang' cache, which only vLLM runs"):
+        export(cm, tmp_path / "e", engine="sglang")
 
 
 def test_the_k_order_table_agrees_with_the_gguf_exporter():

@@ -14,6 +14,10 @@ Written here from the engines' conventions, not from the exporter (exporters/kv.
   ``CompressedTensorsKVCacheMethod`` accepts (8-bit float, tensor strategy, symmetric, static).
 * GGUF: no key exists for the cache type in the file; qatfactory.json's ``kv_cache`` record must name
   the student's llama.cpp cache type for K and V and the flags that select it.
+* qatfactory.json's ``kv_cache.attention`` must be the attention rule the student trained with and,
+  for an FP8 attention rule (vLLM's FLASH_ATTN = FA3 or TRITON_ATTN), the serving flags must select that
+  backend (``--attention-backend``), and no ``q_scale`` tensor may be in the checkpoint: vLLM would load
+  it in place of the q_scale = 1.0 the student's query cast used.
 Without a KV format in the student, none of these may be present (a cache the student never saw).
 """
 from __future__ import annotations
@@ -52,6 +56,13 @@ def expected_scale_tensors(student: ConvertedModel, flavour: str) -> Dict[str, T
 
 
 def check_scale_tensors(res: VerifyResult, sd: Dict[str, torch.Tensor], student: ConvertedModel, flavour: str) -> None:
+    att = (getattr(student, "kv_cache", None) or {}).get("attention") or "none"
+    if att != "none":
+        qs = sorted(n for n in sd if n.endswith(".q_scale"))
+        res.ok_or_fail("kv cache", "no q_scale (vLLM: q_scale 1.0)", not qs,
+                       f"{len(qs)} q_scale tensor(s) ({qs[:2]}): vLLM loads them as the query's FP8 scale, the "
+                       f"student's query cast used 1.0 ({att})" if qs else
+                       f"none: vLLM casts the query with q_scale 1.0, as the student ({att}) did")
     want = expected_scale_tensors(student, flavour)
     if not want:
         return
@@ -172,6 +183,16 @@ def check_record(res: VerifyResult, rec: Dict[str, Any], student: ConvertedModel
                        f"(student: {dt})")
         if kv.get("layers") != len(layers):
             bad.append(f"layers={kv.get('layers')!r} (student: {len(layers)})")
+    att = (getattr(student, "kv_cache", None) or {}).get("attention") or "none"
+    if (kv.get("attention") or "none") != att:
+        bad.append(f"attention={kv.get('attention')!r} (student trained with {att!r})")
+    elif att != "none":
+        backend = {"fa3": "FLASH_ATTN", "triton": "TRITON_ATTN"}.get(att, "?")   # vLLM's names for the kernels
+        flags = str(kv.get("serve_flags", "")).split()
+        f = "--attention-backend"
+        if engine != "vllm" or f not in flags or flags.index(f) + 1 >= len(flags) or flags[flags.index(f) + 1] != backend:
+            bad.append(f"serve_flags {kv.get('serve_flags')!r} do not select vLLM's {f} {backend} (the student trained "
+                       f"with its FP8 attention, {att})")
     res.ok_or_fail("qatfactory.json", "kv_cache == student", not bad, "; ".join(bad) if bad else
                    f"{name}: {kv.get('serve_flags')}")
 

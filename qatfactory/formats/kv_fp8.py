@@ -21,9 +21,11 @@ fnuz ROCm platforms, 1.0 when the checkpoint has none).
 
   The quotient is the C ``/`` as written (IEEE division unless the extension is built with
   fast-math; benchmarks/kv_cache.py --engine-check compares the op's bytes with this rule on a GPU).
-  The attention kernels multiply the scale back in (FlashInfer: ``bmm1_scale *= q_scale * k_scale``,
-  ``bmm2_scale *= v_scale``); where they dequantize to the model dtype they compute
-  ``bf16(fp32(byte) * s)``, which is ``decode(...).to(bf16)`` here.
+  The attention kernels multiply the scale back in (FA3: ``softmax_scale_log2 *= q_descale * k_descale``,
+  the output times ``v_descale``; Triton: ``score_scale = scale * q_scale * k_scale``); where they dequantize
+  to the model dtype they compute ``bf16(fp32(byte) * s)``, which is ``decode(...).to(bf16)`` here. On
+  Hopper vLLM's fp8 backends read the bytes without dequantizing and run the attention in FP8 (query and P
+  cast to E4M3): formats/kv_attention.py.
 
 ``fp8_e4m3_sglang`` -- SGLang (``python/sglang/srt/mem_cache/memory_pool.py``
 ``MHATokenToKVPool.set_kv_buffer``)::
@@ -139,8 +141,8 @@ FP8_SPEC = KVCacheSpec(
     rounding="fp32 x/s (IEEE division), RNE to E4M3, saturating to +-448 (__NV_SATFINITE)",
     oracle="torch float8_e4m3fn cast and ml_dtypes float8_e4m3fn (after a clip to +-448) of fp32 x/s",
     vllm_cache_dtype="fp8", modelopt_algo="FP8", ct_num_bits=8,
-    notes="vLLM's FA3/FlashInfer backends also quantize the query to FP8 (q_scale, k_scale when the checkpoint "
-          "has none); that and the FP8 attention arithmetic are not part of the cache and not emulated",
+    notes="vLLM's FLASH_ATTN (FA3) and TRITON_ATTN backends also cast the query (q_scale 1.0 without a checkpoint "
+          "q_scale) and P to FP8: not part of the cache; emulated by QuantConfig.kv_attention (formats/kv_attention.py)",
     **_COMMON)
 
 FP8_SGLANG_SPEC = KVCacheSpec(

@@ -25,6 +25,12 @@ Scales (formats with a per-layer scale: fp8, nvfp4), per attention layer, K and 
              the buffers keep the running max. The engine has one static scale per layer, so
              :func:`freeze_kv_scales` (ship the running max) or calibrate must come before convert.
 
+Attention (``QuantConfig.kv_attention``, issue 22b): on vLLM's ``fp8_e4m3`` cache the quantizer's
+``attention`` ("fa3" = vLLM's FLASH_ATTN, the default; "triton" = TRITON_ATTN) makes the wrapper run the
+engine's FP8 attention arithmetic instead of the inner implementation on fake-quantized K/V
+(nn/kv_attention.py, formats/kv_attention.py); "none" keeps the cache-only emulation. Calibration
+always runs the inner attention on unquantized K/V.
+
 llama.cpp cache types have no per-tensor scale (one fp16 scale per 32 elements, computed at write
 time). For them on the ``llama`` GGUF architecture (Llama, Mistral, Mixtral), K is quantized in the
 converter's permuted element order (:func:`qatfactory.formats.kv.gguf_k_order`), as llama.cpp's
@@ -38,7 +44,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..formats import codecs as C
 from ..formats.kv import get_kv_format, gguf_k_order
+from ..formats.kv_attention import attentions_for, get_kv_attention
+from . import kv_attention as KA
 
 KV_STRATEGIES = ("frozen", "dynamic")
 KV_CALIB_METHODS = ("max", "mse")
@@ -54,14 +63,16 @@ class KVCacheQuantizer(nn.Module):
     """K/V fake quant of one attention layer; ``k_amax`` / ``v_amax`` are its calibrated state."""
 
     def __init__(self, fmt_name: str, strategy: str = "frozen", head_dim: int = 0, permute_k: bool = False,
-                 name: str = ""):
+                 name: str = "", attention: str = "none"):
         super().__init__()
         if strategy not in KV_STRATEGIES:
             raise ValueError(f"KVCacheQuantizer: strategy={strategy!r}; allowed: {list(KV_STRATEGIES)}")
         fmt = get_kv_format(fmt_name)
         fmt.check_head_dim(head_dim)
+        check_attention(fmt_name, attention)
         self.fmt_name = fmt_name
         self.strategy = strategy
+        self.attention = attention      # "none": only the cache write; else a formats.kv_attention rule
         self.head_dim = int(head_dim)
         self.owner = name
         self.static = fmt.spec.static_scale
@@ -83,6 +94,8 @@ class KVCacheQuantizer(nn.Module):
         s = f"{self.fmt_name}, strategy={self.strategy}"
         if self.static:
             s += f", k_amax={float(self.k_amax):.6g}, v_amax={float(self.v_amax):.6g}"
+        if self.attention != "none":
+            s += f", attention={self.attention}"
         return s + (", K in GGUF order" if self.permute_k else "")
 
     # -- scales -----------------------------------------------------------------------------
@@ -152,6 +165,27 @@ class KVCacheQuantizer(nn.Module):
             return self.fmt.fake_quantize(x[..., self.k_order], scale)[..., self.k_unorder]
         return self.fmt.fake_quantize(x, scale)
 
+    def _forward_scales(self, key: torch.Tensor, value: torch.Tensor):
+        f = self.fmt
+        if self.strategy == "dynamic":
+            with torch.no_grad():
+                ka, va = key.detach().abs().amax().float(), value.detach().abs().amax().float()
+                self.k_amax.copy_(torch.maximum(self.k_amax, ka))
+                self.v_amax.copy_(torch.maximum(self.v_amax, va))
+            return f.scale(ka), f.scale(va)
+        return self.scales()
+
+    @torch.no_grad()
+    def cache_values(self, key: torch.Tensor, value: torch.Tensor):
+        """(k8, v8, k_scale, v_scale): the E4M3 values the cache holds (float32, without the scale) and the
+        per-layer scales, for the FP8 attention rules (an fp8 cache in transformers' element order)."""
+        if self.fmt.spec.element != "e4m3" or not self.static or self.permute_k:
+            raise ValueError(f"{self.owner or 'KVCacheQuantizer'}: cache values are defined for the FP8 caches only, "
+                             f"not {self.fmt_name!r}")
+        ks, vs = self._forward_scales(key, value)
+        f = self.fmt
+        return C.e4m3_decode(f.encode(key.detach(), ks)), C.e4m3_decode(f.encode(value.detach(), vs)), ks, vs
+
     def forward(self, key: torch.Tensor, value: torch.Tensor):
         if self.calibrating is not None:
             if self.static and self.calibrating != "pass":
@@ -161,14 +195,7 @@ class KVCacheQuantizer(nn.Module):
         if not self.static:
             return self._fq(key, None, self.permute_k), self._fq(value, None, False)
         f = self.fmt
-        if self.strategy == "dynamic":
-            with torch.no_grad():
-                ka, va = key.detach().abs().amax().float(), value.detach().abs().amax().float()
-                self.k_amax.copy_(torch.maximum(self.k_amax, ka))
-                self.v_amax.copy_(torch.maximum(self.v_amax, va))
-            ks, vs = f.scale(ka), f.scale(va)
-        else:
-            ks, vs = self.scales()
+        ks, vs = self._forward_scales(key, value)
         kq, vq = self._fq(key, ks, self.permute_k), self._fq(value, vs, False)
         if f.spec.overflow == "nan":
             for which, t in (("K", kq), ("V", vq)):
@@ -197,6 +224,9 @@ def _attention_for(inner: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         q = getattr(module, "kv_quant", None)
         if isinstance(q, KVCacheQuantizer):
+            if q.attention != "none" and q.calibrating is None:     # the engine's FP8 attention (nn/kv_attention.py)
+                return KA.attend(module, q, inner, _inner_function(module, inner), query, key, value, attention_mask,
+                                 **kwargs)
             key, value = q(key, value)
         return _inner_function(module, inner)(module, query, key, value, attention_mask, **kwargs)
     attention.__name__ = f"{ATTN_PREFIX}{inner}"
@@ -235,8 +265,20 @@ def attention_modules(model) -> List[Tuple[str, nn.Module]]:
     return out
 
 
-def attach(model, fmt_name: str, strategy: str = "frozen") -> List[str]:
+def check_attention(fmt_name: Optional[str], attention: str) -> None:
+    """Refuse an attention rule that does not read this KV format's cache, naming those that do."""
+    if attention == "none":
+        return
+    get_kv_attention(attention)
+    ok = attentions_for(fmt_name)
+    if attention not in ok:
+        raise ValueError(f"QuantConfig.kv_attention={attention!r} does not run on the KV-cache format {fmt_name!r}; "
+                         f"allowed: {ok + ['none']} (the FP8 attention rules are vLLM's, on its fp8_e4m3 cache)")
+
+
+def attach(model, fmt_name: str, strategy: str = "frozen", attention: str = "none") -> List[str]:
     """Install a KVCacheQuantizer on every attention layer and route attention through it (in place).
+    ``attention``: "none" (the cache write only) or a formats.kv_attention rule ("fa3", "triton").
     Returns the attention module names. Raises for architectures whose attention was not checked."""
     config = getattr(model, "config", None)
     mt = getattr(config, "model_type", None)
@@ -246,6 +288,7 @@ def attach(model, fmt_name: str, strategy: str = "frozen") -> List[str]:
                                   f"supported: {sorted(GGUF_PERMUTES_K)}")
     if strategy not in KV_STRATEGIES:
         raise ValueError(f"QuantConfig.kv_scale_strategy={strategy!r}; allowed: {list(KV_STRATEGIES)}")
+    check_attention(fmt_name, attention)
     mods = attention_modules(model)
     n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     if not mods or (n_layers and len(mods) != n_layers):
@@ -254,12 +297,15 @@ def attach(model, fmt_name: str, strategy: str = "frozen") -> List[str]:
     inner = config._attn_implementation or "eager"
     if inner.startswith(ATTN_PREFIX):
         raise ValueError("KV-cache emulation is already attached to this model")
+    if attention != "none" and inner not in KA.SUPPORTED_INNER:
+        raise NotImplementedError(f"KV attention emulation ({attention}) wraps {list(KA.SUPPORTED_INNER)} attention; "
+                                  f"the model uses {inner!r}: load it with attn_implementation='sdpa'")
     name = register_attention(inner)
     names = []
     for n, m in mods:
         if "kv_quant" in m._modules:
             raise ValueError(f"{n}: already has a kv_quant module")
-        m.kv_quant = KVCacheQuantizer(fmt_name, strategy, int(m.head_dim), GGUF_PERMUTES_K[mt], n)
+        m.kv_quant = KVCacheQuantizer(fmt_name, strategy, int(m.head_dim), GGUF_PERMUTES_K[mt], n, attention)
         names.append(n)
     model._qf_kv_inner = inner
     config._attn_implementation = name
@@ -282,6 +328,20 @@ def kv_quantizers(model) -> List[Tuple[str, KVCacheQuantizer]]:
                                                                             KVCacheQuantizer)]
 
 
+def set_attention(model, attention: str) -> int:
+    """Switch every layer's attention rule ("none" | "fa3" | "triton"), e.g. to score one student against
+    each vLLM backend; returns the count. The saved QuantConfig follows."""
+    qs = kv_quantizers(model)
+    for _, q in qs:
+        check_attention(q.fmt_name, attention)
+    for _, q in qs:
+        q.attention = attention
+    cfg = getattr(model, "_qf_config", None)
+    if cfg is not None and getattr(cfg, "kv_format", None):
+        cfg.kv_attention = attention
+    return len(qs)
+
+
 def freeze_kv_scales(model) -> int:
     """Dynamic -> frozen at the running max of every layer (what convert ships); returns the count."""
     qs = kv_quantizers(model)
@@ -295,14 +355,18 @@ def freeze_kv_scales(model) -> int:
 
 @torch.no_grad()
 def kv_record(model) -> Dict[str, object]:
-    """What convert hands the exporters: {"format", "strategy", "layers": {attn: {k_scale, v_scale,
-    k_amax, v_amax}}} (scales float32 0-d, absent for cache types without one); {} without a KV format."""
+    """What convert hands the exporters: {"format", "strategy", "attention" ("none" | a kv_attention rule),
+    "layers": {attn: {k_scale, v_scale, k_amax, v_amax}}} (scales float32 0-d, absent for cache types
+    without one); {} without a KV format."""
     qs = kv_quantizers(model)
     if not qs:
         return {}
     fmts = {q.fmt_name for _, q in qs}
     if len(fmts) != 1:
         raise ValueError(f"convert: attention layers use different KV-cache formats {sorted(fmts)}")
+    atts = {q.attention for _, q in qs}
+    if len(atts) != 1:
+        raise ValueError(f"convert: attention layers use different KV attention rules {sorted(atts)}")
     layers: Dict[str, Dict[str, torch.Tensor]] = {}
     for n, q in qs:
         if q.strategy == "dynamic":
@@ -315,4 +379,4 @@ def kv_record(model) -> Dict[str, object]:
         else:
             layers[n] = {"k_scale": ks.detach().clone().cpu(), "v_scale": vs.detach().clone().cpu(), "k_amax": q.k_amax.detach().clone().cpu(),
                          "v_amax": q.v_amax.detach().clone().cpu()}
-    return {"format": fmts.pop(), "strategy": "frozen", "layers": layers}
+    return {"format": fmts.pop(), "strategy": "frozen", "attention": atts.pop(), "layers": layers}

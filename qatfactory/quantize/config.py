@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 from .._recipes import format_recipe, format_recipes
 from ..formats import get_format, list_formats
 from ..formats.kv import list_kv_formats
+from ..formats.kv_attention import default_attention, list_kv_attentions
 from ..formats.scale_search import SEARCH_METHODS
 from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
@@ -21,6 +22,10 @@ CALIB_METHODS = SEARCH_METHODS   # the block-scale searches the formats know (fo
 
 
 STE_MODES = ("identity", "clipped")
+
+
+# issue 22: the engine's attention arithmetic on the FP8 cache (formats/kv_attention.py)
+KV_ATTENTION_CHOICES = ("auto", "none") + tuple(list_kv_attentions())
 
 
 # weight "formats" that are not one registry entry but a per-tensor policy (formats/policy.py)
@@ -88,7 +93,12 @@ class QuantConfig:
       (``qatfactory.formats.kv.list_kv_formats()``: fp8_e4m3, nvfp4_kv, q8_0_kv, ...) whose write rule
       fake-quantizes K and V in every attention layer (nn/kv_cache.py). ``kv_scale_strategy``:
       frozen (calibrated per-layer K/V amax) | dynamic (per-forward amax, frozen before convert);
-      ``kv_calib_method``: max | mse.
+      ``kv_calib_method``: max | mse. ``kv_attention``: the engine's attention arithmetic on that cache
+      (formats/kv_attention.py, nn/kv_attention.py): ``fa3`` (vLLM's default FLASH_ATTN backend on
+      Hopper: query cast to FP8, P cast to FP8 with FlashAttention 3's 2^8 offset), ``triton`` (vLLM's
+      TRITON_ATTN: the same query cast, P cast without offset), ``none`` (only the cache write is
+      emulated; attention in the model dtype) or ``auto`` (= ``fa3`` for fp8_e4m3, ``none`` for every
+      other format). ``prepare`` resolves ``auto``; the saved config holds the rule trained with.
     * ``min_coverage``: the smallest fraction of the Linear-like parameters asked for (targeted and
       not excluded) that must come out quantized; a policy that keeps rows in f16 (Q4_K_M on rows
       that no block size divides) or unsupported layers bring it down. Below it ``prepare`` /
@@ -121,6 +131,7 @@ class QuantConfig:
     kv_format: Optional[str] = None
     kv_scale_strategy: str = "frozen"
     kv_calib_method: str = "max"
+    kv_attention: str = "auto"
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -136,6 +147,7 @@ class QuantConfig:
         _check_choice("QuantConfig.lowbit_grad", self.lowbit_grad, LOWBIT_GRAD_RULES)
         _check_choice("QuantConfig.kv_scale_strategy", self.kv_scale_strategy, KV.KV_STRATEGIES)
         _check_choice("QuantConfig.kv_calib_method", self.kv_calib_method, KV.KV_CALIB_METHODS)
+        _check_choice("QuantConfig.kv_attention", self.kv_attention, KV_ATTENTION_CHOICES)
         if isinstance(self.min_coverage, bool) or not isinstance(self.min_coverage, (int, float)) or \
                 not 0.0 <= float(self.min_coverage) <= 1.0:
             raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
@@ -171,10 +183,20 @@ class QuantConfig:
             if self.kv_format not in list_kv_formats():
                 raise ValueError(f"QuantConfig.kv_format={self.kv_format!r} is not a KV-cache format; allowed: "
                                  f"{list_kv_formats()} or None (the cache in the model dtype)")
+            KV.check_attention(self.kv_format, self.resolved_kv_attention())
+        elif self.kv_attention not in ("auto", "none"):
+            raise ValueError(f"QuantConfig.kv_attention={self.kv_attention!r} without a kv_format: the FP8 attention "
+                             f"rules read an FP8 KV cache; allowed: auto or none, or set kv_format=fp8_e4m3")
         if self.scale_strategy == "learnable" and self.lora.rank:
             raise ValueError("QuantConfig.scale_strategy='learnable' with lora.rank>0: LSQ scales and LoRA "
                              "together are not supported; allowed: one of them")
         return self
+
+    def resolved_kv_attention(self) -> str:
+        """kv_attention with ``auto`` replaced by what the engine runs by default for kv_format."""
+        if self.kv_attention != "auto":
+            return self.kv_attention
+        return default_attention(self.kv_format) if self.kv_format is not None else "none"
 
     def resolve(self, module_name: str):
         """(weight_format, act_format or None) for a module, first matching rule wins."""

@@ -121,7 +121,8 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
         _init_scale_state(model, "max")
         if cfg.kv_format is not None:     # issue 22: K/V fake quant in every attention layer
             undo.append(("kv", model, None, None))
-            KV.attach(model, cfg.kv_format, cfg.kv_scale_strategy)
+            cfg.kv_attention = cfg.resolved_kv_attention()     # saved as trained: a later default cannot change it
+            KV.attach(model, cfg.kv_format, cfg.kv_scale_strategy, cfg.kv_attention)
         model._qf_config = cfg
         rep = coverage(model).raise_if_errors()
     except BaseException:
