@@ -17,7 +17,7 @@ every step.
 
 Warm-up (ours, not the paper's: QeRL starts from Qwen2.5-Instruct models that already follow its
 format and has no SFT stage). SmolLM2-135M-Instruct never writes the answer format, so on the H200 its
-pass rate was 0 at every level and DAPO had nothing to learn from (RESULTS.md). ``--warmup-steps N``
+pass rate was 0 already at the easiest level and DAPO had nothing to learn from (RESULTS.md). ``--warmup-steps N``
 fine-tunes the bf16 model once, before anything is quantized, on N x ``--warmup-batch`` worked
 solutions in the exact format the reward checks (train/rl_warmup.py): drawn by the task generator from
 its own "arith-warmup" streams and filtered against every RL prompt and held-out item of seeds 0-3
@@ -191,7 +191,9 @@ def _measure(model, tok, task, items, r, temperature: float, seed: int) -> Dict[
     dt = time.time() - t0
     sc = [task.score(t, it) for t, it in zip(roll.texts, items)]
     n = max(len(items), 1)
+    real = torch.arange(roll.tokens.shape[1])[None, :] < roll.lengths[:, None]
     return {"format": sum(s["format"] for s in sc) / n, "pass": sum(s["correct"] for s in sc) / n,
+            "entropy": float((roll.entropy * real).sum() / real.sum().clamp(min=1)),
             "completion_tokens": roll.n_tokens() / n, "truncated": float(roll.truncated.float().mean()),
             "decode_steps": int(roll.tokens.shape[1]), "rollout_s": dt, "tokens_per_s": roll.n_tokens() / max(dt, 1e-9),
             "example": roll.texts[0][:160] if roll.texts else ""}
@@ -227,7 +229,7 @@ def warmup_effect(args, base: List[str], wdir: str, levels: List[int]) -> Dict:
                     m = _measure(model, tok, task, task.eval, r, temp, 4242 + lv)
                     res[f"{when}/level{lv}/{name}"] = m
                     print(f"[qerl] {when} warm-up, level {lv}, {name}: format {m['format']:.3f} pass {m['pass']:.3f} "
-                          f"({m['completion_tokens']:.1f} tokens, {m['decode_steps']} decode steps, "
+                          f"entropy {m['entropy']:.3f} ({m['completion_tokens']:.1f} tokens, {m['decode_steps']} decode steps, "
                           f"{m['tokens_per_s']:.0f} tok/s)", flush=True)
         del model
     return res
@@ -399,13 +401,14 @@ def report(state: Dict, out: Path) -> str:
     eff = (warm or {}).get("effect")
     if eff:
         lines += ["", "| warm-up effect (held-out prompts) | format greedy | pass greedy | format T=1 | pass T=1 | "
-                      "tokens/completion (T=1) |", "|---|---|---|---|---|---|"]
+                      "tokens/completion (T=1) | token entropy (T=1) |", "|---|---|---|---|---|---|---|"]
         for lv in eff["levels"]:
             for when, label in (("before", "before"), ("after", "after"), ("after_nvfp4", "after, NVFP4 PTQ")):
                 g, s = eff.get(f"{when}/level{lv}/greedy"), eff.get(f"{when}/level{lv}/t1")
                 if g and s:
                     lines.append(f"| level {lv}, {label} ({eff['prompts']} prompts) | {g['format']:.3f} | {g['pass']:.3f} | "
-                                 f"{s['format']:.3f} | {s['pass']:.3f} | {s['completion_tokens']:.1f} |")
+                                 f"{s['format']:.3f} | {s['pass']:.3f} | {s['completion_tokens']:.1f} | "
+                                 f"{s.get('entropy', float('nan')):.3f} |")
     if not state["results"]:
         text = "\n".join(lines + ["", "No arm has run yet."]) + "\n"
         (out / "qerl.md").write_text(text)

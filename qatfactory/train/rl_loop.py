@@ -17,7 +17,9 @@ the loss forward both multiply by exactly the tensors the export serves (tested 
 independent decode of convert()'s bytes), plus the adapter. ``lora_mode=merged`` (QA-LoRA,
 nn/lora.py): the training forward is ``fake_quant(W + s*B@A)``; rollouts freeze that once per step,
 and the export merges through the same quantizer, so it is exactly the sampled policy.
-``format=bf16`` gives the BF16-LoRA arm (adapter mode on plain nn.Linear).
+``format=bf16`` gives the BF16-LoRA arm (adapter mode on plain nn.Linear). With
+``method.rl.warmup_steps > 0`` the model is first fine-tuned on worked solutions in the rewarded format
+(train/rl_warmup.py; task=arith), before it is quantized: the warmed-up model is the base from then on.
 
 One RL step (``train.max_steps`` of them):
 
