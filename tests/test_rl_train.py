@@ -149,3 +149,35 @@ def test_bf16_lora_arm_and_refusals(tmp_path):
             check(compose([*SAY7, "method=dapo", "method.rl.prompts_per_step=2", *over]), world=2)
     with pytest.raises(ValueError, match=r"method.rl.loss_norm='tokens'; allowed"):
         compose(["method=grpo", "method.rl.loss_norm=tokens"])
+
+
+def test_warmup_runs_before_the_base_is_quantized(tmp_path):
+    # method.rl.warmup_steps: the supervised warm-up changes the model the quantizer then freezes; without
+    # it the frozen base is the initial model, bit for bit
+    from qatfactory.train.config import compose
+    from qatfactory.train.engine import build_model
+    over = ["method=dapo", "method.rl.task=arith", "method.rl.task_level=0", "method.rl.n_train=16",
+            "method.rl.max_new_tokens=8", "train.max_steps=1", "method.rl.n_eval=2", "train.micro_batch=8"]
+    fresh = build_model(compose([*SAY7, *over]), torch.device("cpu"))[0].model.layers[0].self_attn.q_proj.weight
+    w = _run(tmp_path / "w", *over, "method.rl.warmup_steps=3", "method.rl.warmup_batch=4", "method.rl.warmup_lr=1e-3")
+    n = _run(tmp_path / "n", *over)
+    assert w["warmup"]["steps"] == 3 and w["warmup"]["examples"] == 12 and w["warmup"]["loss_first"] > 0
+    assert "warmup" not in n
+
+    def q_weight(s):
+        m = s["student"].model.model.layers[0].self_attn.q_proj
+        assert type(m).__name__ == "QuantLinear"
+        return m.weight.detach()
+    assert torch.equal(q_weight(n), fresh)
+    assert (q_weight(w) - fresh).abs().max() > 1e-4
+    # the adapter names the warmed-up model as its base, and that directory holds it
+    from transformers import AutoModelForCausalLM
+    from qatfactory.train.rl_warmup import read_record
+    base = json.loads((tmp_path / "w" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(base) == tmp_path / "w" / "warmup" and read_record(base)["steps"] == 3
+    saved = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert torch.equal(saved.model.layers[0].self_attn.q_proj.weight, q_weight(w))
+    with pytest.raises(ValueError, match=r"warmup_steps=2 needs method.rl.task=arith"):
+        compose([*SAY7, "method=dapo", "method.rl.warmup_steps=2"])
+    with pytest.raises(ValueError, match=r"warmup_levels=\[9\]; allowed: levels 0..6"):
+        compose([*SAY7, "method=dapo", "method.rl.task=arith", "method.rl.warmup_levels=[9]"])

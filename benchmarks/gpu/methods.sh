@@ -51,9 +51,13 @@ args_for() {
         scale_qlora)  # issue 18
             [ $p = probe ] && echo "120|$PY benchmarks/papers/scale_qlora.py --out $d --steps 3 --n-train 96 --n-eval 16 --gen-tokens 32" \
                            || echo "${T_SCALE_QLORA:-240}|$PY benchmarks/papers/scale_qlora.py --out $d ${SCALE_ARGS:---n-eval 128 --gen-tokens 160}" ;;
-        qerl)       # issue 20
-            [ $p = probe ] && echo "150|$PY benchmarks/papers/qerl.py --out $d --steps 2 --level 1 --max-new-tokens 48" \
-                           || echo "${T_QERL:-300}|$PY benchmarks/papers/qerl.py --out $d --steps ${QERL_STEPS:-20} --max-new-tokens 96" ;;
+        qerl)       # issue 20. QERL_ARMS splits the four arms over calls (two per 600-s call, RESULTS.md): each call
+                    # adds its arms to $WORK/qerl/qerl.json (warm-up and calibration reused on a warm machine, rebuilt
+                    # and digest-checked on a fresh one), so the last call's qerl.md has every arm that ran
+            [ $p = probe ] && echo "150|$PY benchmarks/papers/qerl.py --out $d-probe --steps 2 --max-new-tokens 48 --warmup-steps 4 --calib-prompts 32 --n-eval 32 --gsm8k-items 8 --arms bf16_lora,nvfp4_lora_aqn; cp $d-probe/qerl.* \$OUT/" \
+                           || echo "${T_QERL:-540}|$PY benchmarks/papers/qerl.py --out $d --steps ${QERL_STEPS:-25} --max-new-tokens ${QERL_TOKENS:-64} --arms ${QERL_ARMS:-bf16_lora,nvfp4_lora,nvfp4_lora_aqn,bf16_lora_aqn} --seeds ${QERL_SEEDS:-0} ${QERL_ARGS:-}" ;;
+        qerl_merge) # one table and plot from the parts' qerl.json (QERL_PARTS: more of them, e.g. from an earlier machine)
+            echo "60|$PY benchmarks/papers/qerl.py --merge $WORK/qerl/qerl.json ${QERL_PARTS:-} --out $d" ;;
         kv)         # issue 22 (2K only in one call; 8K is --seqs 8192)
             [ $p = probe ] && echo "120|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs 2048 --steps 2 --eval-seqs 2" \
                            || echo "${T_KV:-240}|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs ${KV_SEQS:-2048}" ;;
@@ -108,5 +112,5 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j" > "$OUT/methods-$j.tail" 2>&1 & done
         wait; cat "$OUT"/methods-*.tail ;;
-    *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl kv paretoq papers)" >&2; exit 2 ;;
+    *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv paretoq papers)" >&2; exit 2 ;;
 esac

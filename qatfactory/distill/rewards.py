@@ -20,7 +20,13 @@ uniform random policy already sees a signal on a quarter of its bytes and the op
 Tasks (``TASKS``): ``gsm8k`` (the packaged test split, qatfactory.assets: items 0..999 train, 1000..1318
 held out, per reproductions in ../shared/reference/methods.md), ``arith`` (templated word problems
 with small integers, difficulty ``ARITH_LEVELS[level]``; :func:`pick_level` calibrates the level so
-the base model's pass rate lands in a band), ``say7``.
+the base model's pass rate lands in a band, and raises :class:`NoSignal` when no level is ever answered
+right), ``say7``.
+
+Warm-up data (train/rl_warmup.py): every arith item carries its worked steps (``Item.solution``);
+:func:`target_text` writes them in the exact shape the reward checks, and :func:`arith_warmup` draws solved
+problems from streams of their own, never a question of :func:`arith_questions` (the RL pools and held-out
+sets), so a supervised warm-up can teach the format without showing the model a prompt it is scored on.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import assets
 
@@ -132,6 +138,7 @@ def correct(text: str, gold: str, answer_format: str) -> bool:
 class Item:
     question: str
     gold: str
+    solution: str = ""      # arith: the worked steps ("3 + 4 = 7. 7 * 2 = 14."), the warm-up's target
 
 
 @dataclass
@@ -175,15 +182,17 @@ _THINGS = ("apples", "marbles", "stamps", "shells", "coins", "books", "pencils",
 
 
 def arith_item(rng: random.Random, level: int) -> Item:
-    """One templated word problem with its exact integer answer (never negative)."""
+    """One templated word problem with its exact integer answer (never negative) and its worked steps."""
     steps, hi, ops = ARITH_LEVELS[level]
     name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
     total = rng.randint(1, hi)
     parts = [f"{name} has {total} {thing}."]
+    work = []
     for _ in range(steps):
         op = rng.choice(ops)
         if op == "-" and total == 0:
             op = "+"
+        before = total
         if op == "+":
             k = rng.randint(1, hi)
             parts.append(f"{name} gets {k} more {thing}.")
@@ -196,8 +205,66 @@ def arith_item(rng: random.Random, level: int) -> Item:
             k = rng.randint(2, 4)
             parts.append(f"Then the number of {thing} {name} has is multiplied by {k}.")
             total *= k
+        work.append(f"{before} {op} {k} = {total}.")
     parts.append(f"How many {thing} does {name} have now?")
-    return Item(" ".join(parts), str(total))
+    return Item(" ".join(parts), str(total), " ".join(work))
+
+
+def target_text(item: Item, answer_format: str) -> str:
+    """The completion a supervised warm-up teaches for ``item``: its worked steps and its answer in the
+    exact shape the reward checks (``<think> steps </think><answer>N</answer>``, or ``steps`` then a
+    ``#### N`` line)."""
+    if not item.solution:
+        raise ValueError(f"target_text: item {item.question[:60]!r} has no worked solution (only arith items do)")
+    if answer_format == "tag":
+        return f"<think> {item.solution} </think><answer>{item.gold}</answer>"
+    if answer_format == "hash":
+        return f"{item.solution}\n#### {item.gold}"
+    raise ValueError(f"answer_format={answer_format!r}; allowed: {list(ANSWER_FORMATS)}")
+
+
+def arith_questions(seeds: Sequence[int], n_train: int, n_eval: int,
+                    levels: Optional[Sequence[int]] = None) -> Set[str]:
+    """Every question an RL run of task=arith with these seeds and pool sizes can prompt with or evaluate
+    on (training pool and held-out set, at every level in ``levels``, default all): what a warm-up
+    must never show the model."""
+    out: Set[str] = set()
+    for seed in seeds:
+        for lv in (range(len(ARITH_LEVELS)) if levels is None else levels):
+            t = make_task("arith", "tag", lv, n_train=n_train, n_eval=n_eval, seed=seed)
+            out.update(i.question for i in t.train)
+            out.update(i.question for i in t.eval)
+    return out
+
+
+def arith_warmup(n: int, levels: Optional[Sequence[int]] = None, seed: int = 0,
+                 exclude: Iterable[str] = ()) -> List[Item]:
+    """``n`` solved arith problems for a supervised warm-up, the levels taken in turn, drawn from the
+    generator's own streams under a namespace no RL pool or held-out set uses ("arith-warmup-..."),
+    never repeating a question and never one in ``exclude`` (pass :func:`arith_questions` of the RL
+    runs: the low levels have only a few thousand distinct questions, so streams alone would collide)."""
+    levels = list(range(len(ARITH_LEVELS))) if levels is None else list(levels)
+    if not levels or any(not 0 <= lv < len(ARITH_LEVELS) for lv in levels):
+        raise ValueError(f"warm-up levels {levels!r}; allowed: a non-empty list of 0..{len(ARITH_LEVELS) - 1}")
+    excluded = set(exclude)
+    seen = set(excluded)
+    rngs = {lv: random.Random(f"arith-warmup-{seed}-{lv}") for lv in levels}
+    out: List[Item] = []
+    misses = 0                  # in a row: a level whose unused questions ran out never stops missing
+    while len(out) < n:
+        lv = levels[len(out) % len(levels)]
+        it = arith_item(rngs[lv], lv)
+        if it.question in seen:
+            misses += 1
+            if misses > 20_000:
+                raise ValueError(f"arith warm-up: could not draw {n} problems at levels {levels} outside the "
+                                 f"{len(excluded)} excluded questions (level {lv} has no unused question left); "
+                                 f"lower the warm-up size or add harder levels")
+            continue
+        misses = 0
+        seen.add(it.question)
+        out.append(it)
+    return out
 
 
 def make_task(name: str, answer_format: str = "tag", level: int = 1, n_train: int = 1000, n_eval: int = 64,
@@ -238,11 +305,18 @@ def make_task(name: str, answer_format: str = "tag", level: int = 1, n_train: in
     return Task(name, items[:n_train], items[1000:1000 + n_eval], answer_format, format_weight, correct_weight)
 
 
+class NoSignal(ValueError):
+    """Calibration found no level where the model ever answers right: every GRPO/DAPO group would
+    have zero advantage, so a run would spend its steps learning nothing."""
+
+
 def pick_level(pass_rate: Callable[[int], float], lo: float = 0.1, hi: float = 0.5,
-               levels: Optional[Sequence[int]] = None) -> Tuple[int, Dict[int, float]]:
+               levels: Optional[Sequence[int]] = None, require_signal: bool = True) -> Tuple[int, Dict[int, float]]:
     """Calibrate the arithmetic task: walk the levels from easy to hard, measuring the base model's
     pass rate with ``pass_rate(level)``; return the first level whose rate is in [lo, hi] (else the
-    level nearest the band's middle) and every rate measured."""
+    level nearest the band's middle) and every rate measured. When no measured level has a single
+    correct completion (every rate 0) it raises :class:`NoSignal` (``require_signal=False``: returns
+    the nearest level anyway, for plumbing checks)."""
     levels = list(range(len(ARITH_LEVELS))) if levels is None else list(levels)
     rates: Dict[int, float] = {}
     for lv in levels:
@@ -251,5 +325,11 @@ def pick_level(pass_rate: Callable[[int], float], lo: float = 0.1, hi: float = 0
             return lv, rates
         if rates[lv] < lo:      # harder levels only get worse
             break
+    if require_signal and not any(r > 0 for r in rates.values()):
+        raise NoSignal(f"calibration: no arithmetic level gave a single correct completion (pass rates {rates}): "
+                       f"every GRPO/DAPO group would have zero reward variance on the answer, so RL would learn "
+                       f"nothing. Warm the model up on the answer format first (method.rl.warmup_steps, or "
+                       f"benchmarks/papers/qerl.py --warmup-steps N), use a model that follows the format, or "
+                       f"give the level explicitly")
     mid = (lo + hi) / 2
     return min(rates, key=lambda k: abs(rates[k] - mid)), rates

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .rewards import ANSWER_FORMATS, TASKS
+from .rewards import ANSWER_FORMATS, ARITH_LEVELS, TASKS
 
 LOSS_NORMS = ("bnpo", "sequence", "dr_grpo")
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -75,6 +75,12 @@ class RLConfig:
     n_train: int = 1000              # prompts in the training pool (arith: generated; gsm8k: <= 1000)
     n_eval: int = 64                 # held-out prompts evaluated greedily at the start and the end
     chat_template: bool = True       # render prompts with the tokenizer's chat template
+    # supervised warm-up before RL (train/rl_warmup.py; task=arith only): full fine-tuning of the
+    # model before it is quantized, on worked solutions no RL prompt or held-out item shares
+    warmup_steps: int = 0            # 0: none
+    warmup_batch: int = 8
+    warmup_lr: float = 1e-4
+    warmup_levels: List[int] = field(default_factory=list)   # arith levels taken in turn; [] = all
     # rollouts (qatfactory/distill/rollout.py)
     prompts_per_step: int = 4        # global prompts per RL step (split over ranks)
     group_size: int = 8              # G completions per prompt
@@ -120,6 +126,16 @@ class RLConfig:
                              f"(a group of one has no relative advantage)")
         if int(self.n_eval) < 0:
             raise ValueError(f"method.rl.n_eval={self.n_eval!r}; allowed: an int >= 0")
+        if int(self.warmup_steps) < 0 or int(self.warmup_batch) < 1 or not self.warmup_lr > 0:
+            raise ValueError(f"method.rl.warmup_steps={self.warmup_steps!r}, warmup_batch={self.warmup_batch!r}, "
+                             f"warmup_lr={self.warmup_lr!r}; allowed: steps >= 0, batch >= 1, lr > 0")
+        if self.warmup_steps and self.task != "arith":
+            raise ValueError(f"method.rl.warmup_steps={self.warmup_steps} needs method.rl.task=arith (the warm-up's "
+                             f"worked solutions come from the arithmetic generator); task={self.task!r}")
+        bad = [lv for lv in self.warmup_levels if not 0 <= int(lv) < len(ARITH_LEVELS)]
+        if bad:
+            raise ValueError(f"method.rl.warmup_levels={list(self.warmup_levels)!r}; allowed: levels "
+                             f"0..{len(ARITH_LEVELS) - 1} (rewards.ARITH_LEVELS), [] for all")
         if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
             raise ValueError(f"method.rl.clip_low={self.clip_low!r}, clip_high={self.clip_high!r}; "
                              f"allowed: 0 <= clip_low < 1, clip_high >= 0")

@@ -87,9 +87,16 @@ class ByteTokenizer:
             s += "<|assistant|>\n"
         return self.encode(s) if tokenize else s
 
+    def save_pretrained(self, path) -> None:
+        """A marker file, so a saved tiny model directory loads with this tokenizer again."""
+        (Path(path) / BYTE_TOKENIZER_FILE).write_text('{"tokenizer": "qatfactory byte tokenizer", "vocab_size": 259}\n')
+
+
+BYTE_TOKENIZER_FILE = "qatfactory_byte_tokenizer.json"
+
 
 def load_tokenizer(path: Optional[str]):
-    if not path:
+    if not path or (Path(path) / BYTE_TOKENIZER_FILE).is_file():
         return ByteTokenizer()
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
     return AutoTokenizer.from_pretrained(path)

@@ -6,6 +6,7 @@ returns its student like every run (``summary["student"]``): the face ships it.
 
     run_dir/config.yaml, metrics.jsonl, plots/rl.png, summary.json
     run_dir/adapter/           the trained adapter as a PEFT LoRA directory (lora_mode=adapter)
+    run_dir/warmup/            method.rl.warmup_steps > 0: the warmed-up model (its base), train/rl_warmup.py
     run_dir/student/           quantize.save_student of the QA-LoRA student (lora_mode=merged)
     run_dir/export-<engine>/   when export.enabled: written and gated by the face (qatfactory.ship)
 
@@ -16,7 +17,9 @@ the loss forward both multiply by exactly the tensors the export serves (tested 
 independent decode of convert()'s bytes), plus the adapter. ``lora_mode=merged`` (QA-LoRA,
 nn/lora.py): the training forward is ``fake_quant(W + s*B@A)``; rollouts freeze that once per step,
 and the export merges through the same quantizer, so it is exactly the sampled policy.
-``format=bf16`` gives the BF16-LoRA arm (adapter mode on plain nn.Linear).
+``format=bf16`` gives the BF16-LoRA arm (adapter mode on plain nn.Linear). With
+``method.rl.warmup_steps > 0`` the model is first fine-tuned on worked solutions in the rewarded format
+(train/rl_warmup.py; task=arith), before it is quantized: the warmed-up model is the base from then on.
 
 One RL step (``train.max_steps`` of them):
 
@@ -55,7 +58,7 @@ import torch.nn as nn
 
 from .. import quantize as Q
 from ..distill import rl as RL
-from ..distill.rewards import Task, make_task
+from ..distill.rewards import Task, arith_questions, arith_warmup, make_task
 from ..distill.rollout import SamplingConfig, generate
 from ..nn import adapter as AD
 from ..nn.noise import AQN
@@ -73,6 +76,8 @@ from .engine import (
     seed_all,
 )
 from .methods import Student
+from .rl_warmup import prompt_ids as _prompt_ids  # noqa: F401  (re-exported for benchmarks)
+from .rl_warmup import save_model_dir, sft_warmup, weights_sha256
 from .runlog import RunLogger, memory_gb, read_metrics
 
 RL_METHODS = ("grpo", "dapo")
@@ -111,18 +116,6 @@ class PolicyLM(nn.Module):
 
 
 # ----------------------------------------------------------------------------- batches
-def _prompt_ids(tok, task: Task, items, use_chat: bool) -> List[List[int]]:
-    out = []
-    for it in items:
-        if use_chat and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(task.messages(it), tokenize=False, add_generation_prompt=True)
-        else:
-            sys_p = task.system()
-            text = (sys_p + "\n\n" if sys_p else "") + it.question + "\n"
-        out.append(_encode(tok, text))
-    return out
-
-
 def _train_batch(prompts: List[List[int]], comp: torch.Tensor, lengths: torch.Tensor, pad: int, device):
     """[left-padded prompt | completion] ids, attention mask and position ids for the loss forward."""
     N, T = comp.shape
@@ -177,13 +170,44 @@ def check(cfg: RunConfig, world: int) -> None:
                          "(quant.lora is the merged adapter of method=qad_lora)")
 
 
+def quantize_base(model, cfg: RunConfig, train_prompts: List[List[int]], dev):
+    """The quantized student of ``model`` (PTQ: quantize.prepare, then calibration on the first
+    method.calib_samples training prompts when method.calibrate): the base the quantized arms freeze."""
+    model = Q.prepare(model, cfg.quant) or model
+    if cfg.method.calibrate:
+        n = min(cfg.method.calib_samples, len(train_prompts))
+        Q.calibrate(model, [{"input_ids": torch.tensor([p], device=dev),
+                             "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=dev)}
+                            for p in train_prompts[:n]], cfg.quant.calib_method)
+    return model
+
+
+# ----------------------------------------------------------------------------- the warm-up
+def warmup(model, tok, task: Task, r: RL.RLConfig, seed: int, world: int, progress: bool) -> Dict[str, Any]:
+    """method.rl.warmup_steps > 0: supervised warm-up of the (not yet quantized) model on worked arith
+    solutions that share no question with this run's training pool or held-out set at any level;
+    with several ranks, rank 0's weights are then broadcast so every rank quantizes the same model."""
+    n = int(r.warmup_steps) * int(r.warmup_batch)
+    items = arith_warmup(n, list(r.warmup_levels) or None, seed, arith_questions([seed], r.n_train, r.n_eval))
+    info = sft_warmup(model, tok, task, items, int(r.warmup_steps), float(r.warmup_lr), int(r.warmup_batch),
+                      r.chat_template, seed, progress=progress)
+    if world > 1:
+        with torch.no_grad():
+            for ten in list(model.parameters()) + list(model.buffers()):
+                buf = ten.data.float()
+                torch.distributed.broadcast(buf, 0)
+                ten.data.copy_(buf)
+    info.pop("losses")
+    return info
+
+
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(lm, tok, task: Task, prompts, rl_cfg: RL.RLConfig, rank: int, world: int, device, seed: int,
              eos: int, pad: int) -> Dict[str, float]:
     n = len(prompts)
     idx = list(range(rank, n, world))
-    sums = [0.0] * 9      # count, correct, reward, format, ent_sum, ent_tok, s_correct, s_ent_sum, s_tok
+    sums = [0.0] * 10     # count, correct, reward, format, ent_sum, ent_tok, s_correct, s_ent_sum, s_tok, s_format
     if idx:
         ps = [prompts[i] for i in idx]
         items = [task.eval[i] for i in idx]
@@ -198,7 +222,9 @@ def evaluate(lm, tok, task: Task, prompts, rl_cfg: RL.RLConfig, rank: int, world
             sums[1] += sc["correct"]
             sums[2] += sc["reward"]
             sums[3] += sc["format"]
-            sums[6] += task.score(s.texts[i], it, rl_cfg.max_new_tokens)["correct"]
+            ss = task.score(s.texts[i], it, rl_cfg.max_new_tokens)
+            sums[6] += ss["correct"]
+            sums[9] += ss["format"]
         gm = torch.arange(g.tokens.shape[1])[None, :] < g.lengths[:, None]
         sm = torch.arange(s.tokens.shape[1])[None, :] < s.lengths[:, None]
         sums[4] += float((g.entropy * gm).sum())
@@ -209,7 +235,7 @@ def evaluate(lm, tok, task: Task, prompts, rl_cfg: RL.RLConfig, rank: int, world
     c = max(t[0], 1.0)
     return {"eval/accuracy": t[1] / c, "eval/reward": t[2] / c, "eval/format": t[3] / c,
             "eval/entropy_greedy": t[4] / max(t[5], 1.0), "eval/pass1_sampled": t[6] / c,
-            "eval/entropy": t[7] / max(t[8], 1.0), "eval/prompts": t[0]}
+            "eval/entropy": t[7] / max(t[8], 1.0), "eval/format_sampled": t[9] / c, "eval/prompts": t[0]}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -247,13 +273,20 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     pad = int(tok.pad_token_id) if getattr(tok, "pad_token_id", None) is not None else eos
     train_prompts = _prompt_ids(tok, task, task.train, r.chat_template)
     eval_prompts = _prompt_ids(tok, task, task.eval, r.chat_template)
+    warm = warmup(model, tok, task, r, t.seed, world, t.progress and rank == 0) if r.warmup_steps else None
+    if warm is not None:
+        # the warmed-up model is the base from here on: the adapter and the export name it, not the source
+        wdir = run_dir / "warmup"
+        warm["sha256"] = weights_sha256(model)
+        if rank == 0:
+            save_model_dir(model, tok, source_dir, wdir, warm)
+            print(f"[qatfactory] warm-up: {warm['steps']} steps x {warm['batch']} worked solutions, loss "
+                  f"{warm['loss_first']:.3f} -> {warm['loss_last']:.3f} in {warm['time_s']:.1f}s; the warmed-up "
+                  f"base is {wdir}", flush=True)
+        _barrier()
+        source_dir = str(wdir)
     if quantized:
-        model = Q.prepare(model, cfg.quant) or model
-        if cfg.method.calibrate:
-            n = min(cfg.method.calib_samples, len(train_prompts))
-            Q.calibrate(model, [{"input_ids": torch.tensor([p], device=dev),
-                                 "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=dev)}
-                                for p in train_prompts[:n]], cfg.quant.calib_method)
+        model = quantize_base(model, cfg, train_prompts, dev)
     for p in model.parameters():
         p.requires_grad_(False)
     if t.grad_ckpt:
@@ -422,6 +455,8 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                                "tokens": tokens_total, "time_s": time.time() - t0, "world_size": world,
                                "eval_first": history[0] if history else None,
                                "eval_last": history[-1] if history else None, "eval_history": history}
+    if warm is not None:
+        summary["warmup"] = warm
     out, student = _finalize(cfg, lm, run_dir, rank, source_dir, eval_prompts, quantized, dev, pad)
     summary.update(out)
     student.request(cfg, run_dir, decision.get("export_dir"))
