@@ -287,3 +287,13 @@ def test_chunked_calls_equal_one_call(monkeypatch):
     calls, chunked = run()
     assert (one_calls, calls) == (1, 3)
     assert all(torch.equal(a, b) for a, b in zip(one, chunked))
+
+
+def test_switch_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("QF_LOWBIT_BATCH", "0")
+    assert lowbit_batch.enabled_by_env() is False
+    monkeypatch.setenv("QF_LOWBIT_BATCH", "maybe")
+    with pytest.raises(ValueError, match="QF_LOWBIT_BATCH='maybe'; allowed: 1"):
+        lowbit_batch.enabled_by_env()
+    monkeypatch.delenv("QF_LOWBIT_BATCH")
+    assert lowbit_batch.enabled_by_env() is True
