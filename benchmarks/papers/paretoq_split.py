@@ -15,10 +15,15 @@ tokens; peak LR 2e-3 cosine (FP phase), 2e-4 fresh cosine (QAT phase); f in {0, 
 {4-bit LSQ, 2-bit SEQ} x 2 seeds; metric: held-out bits per token (= per byte, up to the EOS between
 articles) of the quantized model, and of the FP model at the switch. Every arm is one trainer run.
 Writes ``paretoq_split.json``, ``.md`` and ``.png``.
+
+One device call per bit width and seed (benchmarks/gpu/methods.sh jobs paretoq_split4s0, _split2s0,
+_split4s1, _split2s1): ``--bits 4 --seed-list 0 --rows-only --out D`` writes D/paretoq_split.json only; then,
+anywhere, ``--merge D1 D2 ... --out benchmarks/results/paretoq_split`` builds the table from every arm present.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -71,7 +76,25 @@ def arm(s, data, bits: str, f: float, seed: int, work: Path, smoke: bool) -> Dic
     return {"bits": bits, "format": fmt, "f": f, "seed": seed, "fp_steps": s0, "qat_steps": s["budget"] - s0,
             "bpt_quantized": q.get("eval/ce", float("nan")) / LN2,
             "bpt_fp": fp.get("eval/ce", float("nan")) / LN2 if fp and fp.get("step", 0) > 0 else float("nan"),
-            "tokens": sm.get("tokens"), "seconds": time.time() - t0}
+            "tokens": sm.get("tokens"), "seconds": time.time() - t0, "step_ms": C.step_ms(run_dir)}
+
+
+def merge(paths: List[Path]) -> Dict[str, Any]:
+    """One result from several calls' paretoq_split.json: every arm (bits, f, seed; a later file's
+    replaces an earlier one)."""
+    out: Dict[str, Any] = {"merged_from": []}
+    arms: Dict[tuple, Dict[str, Any]] = {}
+    for p in paths:
+        f = p / "paretoq_split.json" if p.is_dir() else p
+        r = json.loads(f.read_text())
+        out["merged_from"].append({"file": str(f), "env": r.get("env"),
+                                   "arms": sorted({(a["bits"], f"s{a['seed']}") for a in r["arms"]})})
+        for k in ("smoke", "env", "setting", "data"):
+            out.setdefault(k, r.get(k))
+        for a in r["arms"]:
+            arms[(a["bits"], a["f"], a["seed"])] = a
+    out["arms"] = sorted(arms.values(), key=lambda a: (a["seed"], -int(a["bits"]), a["f"]))
+    return out
 
 
 def report(out: Path, res: Dict[str, Any]) -> None:
@@ -98,6 +121,12 @@ def report(out: Path, res: Dict[str, Any]) -> None:
                        [[b] + [mean[b].get(f, float("nan")) for f in res["setting"]["fractions"]] + [best[b]]
                         for b in mean]),
             "", "ParetoQ reports the optimum near f = 0.1 (MobileLLM); this table is the measurement, not that claim."]
+    have = {(r["bits"], r["f"], r["seed"]) for r in res["arms"]}
+    gone = [f"{b}-bit seed {sd}" for sd in range(int(res["setting"].get("seeds") or 1)) for b in BITS
+            if any((b, f, sd) not in have for f in res["setting"]["fractions"])]
+    if gone and not res.get("smoke"):
+        text += ["", "**Not run yet (or not complete)**: " + ", ".join(gone) + "."]
+    text += C.merged_note(res)
     C.write_text(out / "paretoq_split.md", "\n".join(text) + "\n")
 
     def draw(fig):
@@ -126,20 +155,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--budget", type=int, default=None, help="steps per arm (default 1,200; smoke 8)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prepare-only", action="store_true", help="write the data files into --work, then stop")
+    ap.add_argument("--seed-list", default=None, help="comma-separated seeds to run (default: 0 .. seeds - 1)")
+    ap.add_argument("--fractions", default=None, help="comma-separated QAT fractions to run (default: the design's "
+                    "0, 0.05, 0.1, 0.2, 0.4, 1; a subset lets one width and seed take two device calls)")
+    ap.add_argument("--rows-only", action="store_true", help="write the JSON only; --merge builds the table")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
+                    help="no runs: the table from these directories' (or files') paretoq_split.json")
     args = ap.parse_args(argv)
+    if args.merge:
+        res = merge(args.merge)
+        report(args.out, res)
+        C.write_json(args.out / "paretoq_split.json", res)
+        print((args.out / "paretoq_split.md").read_text())
+        return 0
     s = setting(args)
+    run_fracs = [float(x) for x in args.fractions.split(",")] if args.fractions else s["fractions"]
+    bad = [f for f in run_fracs if not 0.0 <= f <= 1.0]
+    if bad:
+        raise SystemExit(f"--fractions: {bad} are not QAT fractions in [0, 1]")
     work = args.work or args.out / "work"
     data = C.wiki_files(work, s["train_bytes"], s["eval_bytes"])   # cached in --work: carry it to a GPU box
     if args.prepare_only:
         print(data)
         return 0
     res: Dict[str, Any] = {"smoke": args.smoke, "env": C.environment(), "setting": s, "data": data, "arms": []}
-    for seed in range(s["seeds"]):
+    seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(s["seeds"]))
+    for seed in seeds:
         for bits in args.bits.split(","):
-            for f in s["fractions"]:
+            for f in run_fracs:
                 C.say(f"{bits}-bit f={f:g} seed {seed}")
                 res["arms"].append(arm(s, data, bits, f, seed, work, args.smoke))
                 C.write_json(args.out / "paretoq_split.json", res)
+    if args.rows_only:
+        C.write_json(args.out / "paretoq_split.json", res)
+        C.say(f"rows written: {args.out / 'paretoq_split.json'}")
+        return 0
     report(args.out, res)
     C.write_json(args.out / "paretoq_split.json", res)
     print((args.out / "paretoq_split.md").read_text())

@@ -220,6 +220,24 @@ class IntGrid(CheckedInput, Format):
             return torch.round(c * 1.5).to(torch.int8)
         return (2 * torch.round(c * 2 - 0.5) + 1).to(torch.int8)
 
+    def fake_values(self, xg: torch.Tensor, alpha: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """``codes(xg, alpha) * d`` in float32 with the codes kept in float32: the same values as
+        ``dequantize(quantize(x, scales=d))`` (every code is a small integer, exact in float32, and the
+        product is the one dequantize forms) without the int8 round trip, the scale checks and their
+        host syncs. For the training forward, where d = d_of_alpha(alpha) holds by construction;
+        x must be float32 and finite (the caller checks). A zero code is +0 as the int8 path gives it
+        (a float round of a small negative is -0, hence the + 0.0: it changes no other value)."""
+        df = d.float().unsqueeze(-1)
+        if self.family == "sign":
+            return torch.sign(xg).mul_(df).add_(0.0)
+        v = torch.div(xg, alpha.unsqueeze(-1))
+        if self.family == "lsq":
+            return torch.round(v).clamp_(self.qn, self.qp).mul_(df).add_(0.0)
+        c = torch.clamp(v, -float(CLIP), float(CLIP))
+        if self.family == "ternary":
+            return torch.round(c * 1.5).mul_(df).add_(0.0)
+        return torch.round(c * 2 - 0.5).mul_(2).add_(1).mul_(df)     # odd codes: never zero
+
     def pass_mask(self, xg: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """Where ParetoQ's weight gradient passes (its clipped STE): Qn <= x <= Qp (LSQ), |x| <= 0.99
         (SEQ), |x| <= 1 (sign), with x = W / alpha."""

@@ -8,7 +8,9 @@ each member reads all members' weights every forward (under ZeRO-3 call
 
 Inside the trainer (``step_cache.enabled()``) fq(W) is computed once per optimizer step and kept
 (nn/weight_cache.py): every micro-batch forward, the backward and evaluation read the kept tensor,
-with the same bits and gradients as the per-forward path.
+with the same bits and gradients as the per-forward path. The ParetoQ grids' learnable scales train
+through the quantizer and cannot be kept: there the trainer batches all linears of a format into a few
+calls per forward instead (nn/lowbit_batch.py).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from . import step_cache, weight_cache
+from . import lowbit_batch, step_cache, weight_cache
 from .fake_quant import ActQuantizer, quant_kwargs
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
@@ -153,6 +155,10 @@ class QuantLinear(nn.Module):
         xq = x if iq is None else iq(x)
         if e is not None:
             return F.linear(xq, weight_cache.training_weight(site, e), self.bias)
+        if "_qf_lowbit_group" in self.__dict__:         # the trainer's batched ParetoQ grids (nn/lowbit_batch.py)
+            wb = lowbit_batch.weight(self)
+            if wb is not None:
+                return F.linear(xq, wb, self.bias)
         return F.linear(xq, self.quantized_weight(), self.bias)
 
     @torch.no_grad()

@@ -65,47 +65,64 @@ def grad_scale(fmt: IntGrid, numel: int) -> float:
     return 1.0 / math.sqrt(numel * qp)
 
 
+def paretoq_grads(fmt: IntGrid, wg: torch.Tensor, a: torch.Tensor, go: torch.Tensor, g, clean: bool):
+    """ParetoQ's backward (module docstring) on float32 ``wg`` [..., n_g, n] (W viewed per scale group),
+    ``a`` [..., n_g] (alpha_eff), ``go`` like wg (dL/dW_q), ``g`` the gradient scale (a float, or a float32
+    tensor broadcasting against [..., n_g, 1]: one value per row in a batched call, the same float32 value
+    the scalar would be rounded to). Returns (dW like wg, float32; dalpha [..., n_g], float32). Every
+    element and every row sum is computed as in a call on that row alone (rows never mix)."""
+    x = torch.div(wg, a.unsqueeze(-1))
+    if fmt.family == "lsq":
+        lo, hi = float(fmt.qn), float(fmt.qp)
+        small, big = (x < lo).float(), (x > hi).float()
+        mid = 1.0 - small - big
+        term = small * lo + big * hi + mid * (-x + x.round())
+    elif fmt.family == "sign":
+        mid = 1.0 - (x < -1).float() - (x > 1).float()
+        term = wg.sign()
+    else:
+        clip = 0.99
+        small, big = (x < -clip).float(), (x > clip).float()
+        mid = 1.0 - small - big
+        c = torch.clamp(x, -clip, clip)
+        if fmt.family == "seq2":
+            q, level = 0.75, (torch.round(c * 2 - 0.5) + 0.5) / 2
+        else:
+            q, level = (float(C23) if clean else 1.0), torch.round(c * 1.5) / 1.5
+        term = small * -q + big * q + mid * (-x + level)
+    return mid * go, torch.sum(term * go * g, dim=-1)
+
+
+def scales_of(fmt: IntGrid, alpha: torch.Tensor):
+    """(d, alpha_eff): the fp16 engine scales of a learned alpha and the alpha ParetoQ's forward sees."""
+    d = fmt.d_of_alpha(alpha)
+    return d, fmt.alpha_of_d(d)
+
+
 class _ParetoQ(torch.autograd.Function):
-    """y = code(W, alpha_eff) * d with d = fmt.d_of_alpha(alpha); ParetoQ's backward (module docstring)."""
+    """y = code(W, alpha_eff) * d with d = fmt.d_of_alpha(alpha); ParetoQ's backward (module docstring).
+    One call per linear: the path outside the trainer (the trainer batches all linears of a format and
+    row length into one call per forward, nn/lowbit_batch.py; same values). Host syncs: one (the
+    finite check of W)."""
 
     @staticmethod
     def forward(ctx, w, alpha, fmt, g, clean):
         shp = (*alpha.shape, w.shape[-1] // alpha.shape[-1])
-        d = fmt.d_of_alpha(alpha)
         wf = w.detach().float()
-        p = fmt.quantize(wf.reshape(-1, w.shape[-1]), scales=d.reshape(-1, alpha.shape[-1]))
-        y = fmt.dequantize(p).reshape(w.shape)
-        ctx.save_for_backward(wf.reshape(shp), fmt.alpha_of_d(d))
+        fmt.check_finite(fmt.name, wf)
+        d, a = scales_of(fmt, alpha)
+        y = fmt.fake_values(wf.reshape(shp), a, d).reshape(w.shape)
+        # W itself, not its float32 copy: the backward converts again (exact from any float dtype)
+        ctx.save_for_backward(w, a)
         ctx.fmt, ctx.g, ctx.clean = fmt, g, clean
         return y.to(w.dtype)
 
     @staticmethod
     def backward(ctx, gy):
-        wg, a = ctx.saved_tensors
-        fmt, g = ctx.fmt, ctx.g
-        go = gy.float().reshape(wg.shape)
-        x = torch.div(wg, a.unsqueeze(-1))
-        if fmt.family == "lsq":
-            lo, hi = float(fmt.qn), float(fmt.qp)
-            small, big = (x < lo).float(), (x > hi).float()
-            mid = 1.0 - small - big
-            term = small * lo + big * hi + mid * (-x + x.round())
-        elif fmt.family == "sign":
-            mid = 1.0 - (x < -1).float() - (x > 1).float()
-            term = wg.sign()
-        else:
-            clip = 0.99
-            small, big = (x < -clip).float(), (x > clip).float()
-            mid = 1.0 - small - big
-            c = torch.clamp(x, -clip, clip)
-            if fmt.family == "seq2":
-                q, level = 0.75, (torch.round(c * 2 - 0.5) + 0.5) / 2
-            else:
-                q, level = (float(C23) if ctx.clean else 1.0), torch.round(c * 1.5) / 1.5
-            term = small * -q + big * q + mid * (-x + level)
-        ga = torch.sum(term * go * g, dim=-1)
-        gw = (mid * go).reshape(gy.shape).to(gy.dtype)
-        return gw, ga, None, None, None
+        w, a = ctx.saved_tensors
+        wg = w.detach().float().reshape(*a.shape, -1)
+        gw, ga = paretoq_grads(ctx.fmt, wg, a, gy.float().reshape(wg.shape), ctx.g, ctx.clean)
+        return gw.reshape(gy.shape).to(gy.dtype), ga, None, None, None
 
 
 class LowBitQuantizer(nn.Module):

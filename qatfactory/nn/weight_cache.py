@@ -24,7 +24,8 @@ Validity. An entry is used only while both hold:
    of their own and are NOT seen: call ``step_cache.weights_changed()`` after those.
 
 Not cached (the per-forward path runs): learnable scales (the scale trains through the quantizer),
-LoRA (the merged weight), the ParetoQ grids, ZeRO-3 partitioned weights (a kept copy would undo the
+LoRA (the merged weight), the ParetoQ grids (their learnable path is batched per forward instead,
+nn/lowbit_batch.py), ZeRO-3 partitioned weights (a kept copy would undo the
 partitioning), modules with quantization off.
 
 Batched fills. The first miss of an epoch fills, in one go, every site that was used in the previous

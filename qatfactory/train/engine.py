@@ -44,7 +44,7 @@ from .. import _fsutil, assets
 from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
-from ..nn import step_cache
+from ..nn import lowbit_batch, step_cache
 from . import checkpoint as ckpt
 from . import rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
@@ -417,6 +417,9 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t, restart))
     engine, *_ = deepspeed.initialize(model=student, config=dcfg, **kw)
     step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
+    if quantized and not t.grad_ckpt and lowbit_batch.enabled_by_env():
+        # the ParetoQ grids' learnable fake quant in a few calls per forward instead of one per linear
+        lowbit_batch.register(model)
 
     position, logger_start = 0, 0
     st: Dict[str, Any] = {}
@@ -445,6 +448,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         return r
 
     def forward(b, tout):
+        lowbit_batch.new_pass()
         return engine(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
 
     def teacher_outputs(split, b):

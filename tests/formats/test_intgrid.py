@@ -150,6 +150,30 @@ def test_tq_bytes_equal_the_engines_own_encoder(name):
     assert np.array_equal(gq[live], ours[live])
 
 
+@pytest.mark.parametrize("name", GRIDS)
+def test_training_values_equal_dequantize_of_quantize_bit_for_bit(name):
+    """fake_values (the training forward: float codes, no int8 round trip, no scale checks) gives the bits
+    of dequantize(quantize(x, scales=d)), signed zeros included (a zero code is +0 there), on random rows,
+    heavy tails, exact zeros, and every tie / clip edge of the grid with its tiny negative neighbours."""
+    fmt = get_format(name)
+    w = _weights(fmt)
+    k = w.shape[-1]
+    d = torch.tensor([[0.0625]], dtype=torch.float16).expand(1, fmt.n_groups(k))
+    alpha = float(fmt.alpha_of_d(d)[0, 0])
+    xs = [0.0, -0.0, 1e-9, -1e-9, -1e-30, 0.5, -0.5, -0.49, 1 / 3, -1 / 3, -0.3, 0.99, -0.99, 0.995, -0.995,
+          1.0, -1.0, 1.25, -1.25, 2.5, -2.5, 3.5, -3.5, 6.5, -7.5, 7.5, -8.5, 9.0, -9.0]
+    edge = torch.zeros(1, k)
+    edge[0, :len(xs)] = torch.tensor(xs) * alpha
+    for x, dd in ((w, None), (w, fmt.d_of_alpha(torch.rand(w.shape[0], fmt.n_groups(k)) * 0.02 + 1e-4)),
+                  (edge, d)):
+        p = fmt.quantize(x, scales=dd)
+        ref = fmt.dequantize(p)
+        xg = fmt._grouped(x, k)
+        got = fmt.fake_values(xg, fmt.alpha_of_d(p.scales), p.scales).reshape(x.shape)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), \
+            f"{name}: {int((got.view(torch.int32) != ref.view(torch.int32)).sum())} values differ in their bits"
+
+
 def test_ternary_scale_grid_is_reachable_for_every_fp16():
     """ParetoQ's ternary weight is fl(fl(1/1.5) * alpha): for every positive finite fp16 d the alpha we use,
     fl(d / C), gives back exactly d, so TQ's d * q equals ParetoQ's value."""

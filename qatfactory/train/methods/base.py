@@ -187,7 +187,11 @@ class Method:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, ctx: Context, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss of one micro-batch (the loop calls backward and the optimizer step)."""
+        """The loss of one micro-batch (the loop calls backward and the optimizer step). A teacher loaded
+        only to report KL (method.eval_teacher) is not run here when the loss is this class's own, which
+        reads no teacher then (a forward of the whole teacher per step for nothing)."""
+        if not ctx.cfg.method.loss.needs_teacher and type(self).loss is Method.loss:
+            return ctx.forward(batch, None)
         with ctx.teacher_outputs("train", batch) as t:
             return ctx.forward(batch, t)
 
