@@ -8,6 +8,7 @@ save_student, the trainer's checkpoints and run directories.
     export   qatfactory.json with "qatfactory_export"   (exporters.base.export)
     student  qatfactory_quant.json                       (quantize.save_student)
     run      qatfactory_run.json with "qatfactory_run"   (the trainer's run directory)
+    warmup   qatfactory_warmup.json                      (train.rl_warmup.save_model_dir)
 
 or is empty. Anything else is somebody else's and is never deleted or replaced.
 
@@ -34,7 +35,8 @@ from .exitcodes import BAD_INPUT, CorruptFileError
 EXPORT_RECORD = "qatfactory.json"
 STUDENT_RECORD = "qatfactory_quant.json"
 RUN_RECORD = "qatfactory_run.json"
-KINDS = ("export", "student", "run")
+WARMUP_RECORD = "qatfactory_warmup.json"
+KINDS = ("export", "student", "run", "warmup")
 
 
 class NotOursError(FileExistsError):
@@ -69,7 +71,7 @@ def _has_json_key(p: Path, key: str) -> bool:
 
 
 def kind_of(path) -> Optional[str]:
-    """'missing', 'empty', 'export', 'student', 'run', or None (exists, not ours: leave it alone).
+    """'missing', 'empty', 'export', 'student', 'run', 'warmup', or None (exists, not ours: leave it alone).
     A symlink is never ours (replacing it would act on whatever it points at)."""
     p = Path(path)
     if p.is_symlink():
@@ -88,11 +90,14 @@ def kind_of(path) -> Optional[str]:
     if (p / RUN_RECORD).is_file() and not (p / RUN_RECORD).is_symlink() and \
             _has_json_key(p / RUN_RECORD, "qatfactory_run"):
         return "run"
+    if (p / WARMUP_RECORD).is_file() and not (p / WARMUP_RECORD).is_symlink():
+        return "warmup"
     return None
 
 
 _DESCRIBE = {"export": "a qatfactory export", "student": "a qatfactory student directory (save_student)",
-             "run": "a qatfactory run directory (checkpoints, student, metrics)", None: "not written by qatfactory"}
+             "run": "a qatfactory run directory (checkpoints, student, metrics)",
+             "warmup": "a qatfactory RL warm-up model directory", None: "not written by qatfactory"}
 
 
 def _inside(a: Path, b: Path) -> bool:

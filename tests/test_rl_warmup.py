@@ -4,6 +4,7 @@ cross-entropy of the target tokens only (checked against an unpadded, unbatched 
 warm-up makes a random model follow the answer format, and the calibration refuses a model that is
 never right."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,27 @@ def test_calibration_fails_loudly_when_no_level_is_ever_right():
     # after a warm-up: the first level inside the band, walking from easy to hard
     rates = {0: 0.97, 1: 0.8, 2: 0.55, 3: 0.3}
     assert R.pick_level(lambda k: rates[k], 0.2, 0.6) == (2, {0: 0.97, 1: 0.8, 2: 0.55})
+
+
+def test_save_model_dir_replaces_only_its_own_warmup_and_leaves_a_foreign_folder_alone(tmp_path):
+    from qatfactory._fsutil import NotOursError
+    from qatfactory.train import rl_warmup as W
+
+    class Saves:                                     # the two calls save_model_dir makes on a model / tokenizer
+        def __init__(self, text, name="model.safetensors"):
+            self.text, self.name = text, name
+
+        def save_pretrained(self, d):
+            (Path(d) / self.name).write_text(self.text)
+
+    out = tmp_path / "warmup"
+    W.save_model_dir(Saves("one"), Saves("tok", "tokenizer.json"), None, out, {"steps": 1})
+    W.save_model_dir(Saves("two"), Saves("tok", "tokenizer.json"), None, out, {"steps": 2})      # ours: replaced
+    assert (out / "model.safetensors").read_text() == "two" and W.read_record(out)["steps"] == 2
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(NotOursError):
+        W.save_model_dir(Saves("x"), Saves("tok", "tokenizer.json"), None, foreign, {"steps": 1})
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "warmup"]     # no temporaries left

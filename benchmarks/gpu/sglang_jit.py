@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import glob
-import hashlib
 import io
 import json
 import os
@@ -49,6 +48,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from carry_plan import sha256  # noqa: E402  (the staging's one file digest; this folder is copied whole)
 
 FI_DATA = "flashinfer/data/"
 # the include roots FlashInfer's JIT hands nvcc, relative to flashinfer/data, in its order
@@ -332,14 +334,6 @@ def cuda_env(link_dir: Path = Path("/tmp/qf-cudalink"), home: Optional[str] = No
 # ----------------------------------------------------------------------------------- here: staging
 JIT_DIR = ".sglang/jit"
 JIT_MANIFEST = "jit.manifest.json"
-
-
-def sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 def stage(tgzs: Sequence[Path], dest: Path, note: str = "") -> Dict[str, object]:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -36,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import _fsutil
 from ..distill.rewards import Item, Task, target_text
 from .data import _encode
 
@@ -182,7 +181,7 @@ def sft_warmup(model, tok, task: Task, items: Sequence[Item], steps: int, lr: fl
             "compute_dtype": str(ac).replace("torch.", "") if ac else "float32", "master_dtype": "float32"}
 
 
-WARMUP_RECORD = "qatfactory_warmup.json"
+WARMUP_RECORD = _fsutil.WARMUP_RECORD
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 
@@ -192,12 +191,7 @@ def save_model_dir(model, tok, source_dir: Optional[str], out_dir, record: Dict[
     files copied byte for byte, or the byte tokenizer's marker) with ``record`` beside it, atomically.
     An existing ``out_dir`` is replaced only when it holds our record (a warm-up we wrote)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / WARMUP_RECORD).is_file():
-        raise FileExistsError(f"{out_dir} exists and is not a warm-up directory written by qatfactory (no "
-                              f"{WARMUP_RECORD}); refusing to replace it: choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".tmp-{out_dir.name}-"))
-    try:
+    with _fsutil.atomic_dir(out_dir, replace=True, kinds=("warmup",), what="RL warm-up") as tmp:
         model.save_pretrained(tmp)
         copied = [n for n in _TOKENIZER_FILES if source_dir and (Path(source_dir) / n).is_file()]
         for n in copied:
@@ -205,12 +199,6 @@ def save_model_dir(model, tok, source_dir: Optional[str], out_dir, record: Dict[
         if not copied:
             tok.save_pretrained(tmp)
         (tmp / WARMUP_RECORD).write_text(json.dumps(record, indent=1, default=str))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
