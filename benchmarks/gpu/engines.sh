@@ -36,6 +36,9 @@
 #                                                 bash benchmarks/gpu/engines.sh sglang     (~4-6 min: waits for
 #                                                 that warm-up, one sglang.Engine for bf16 and one for the
 #                                                 ModelOpt NVFP4 export, then the report with both engines)
+# Once the vLLM cells are measured (they were on 2026-12-01), call 7 may run `engines.sh kv` instead of `vllm`
+# (issue 22's FP8-attention check; it installs vLLM and starts SGLang's warm-up the same way), and call 3
+# `engines.sh students --cells nvfp4-w4a4-modelopt` builds only SGLang's cell (~1 min instead of ~3).
 # About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min).
 # If call 8 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
 # the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
@@ -100,6 +103,16 @@ case $cmd in
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/vllm_logs.tgz" */vllm.log */vllm.json qad-*.log 2>/dev/null) ;;
+    kv)   # issue 22's FP8-attention check in place of the vLLM cells (once they are measured): vLLM installed and
+          # SGLang's warm-up started as in `vllm`, then benchmarks/kv_cache.py trains the 2K fp8 arm with the fa3
+          # emulation and vLLM serves its export with FLASH_ATTN and TRITON_ATTN (~5 min); all of it in $OUT/kv.tgz
+        [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
+        [ -n "${NO_SGLANG_WARM:-}" ] || sglang_warm
+        rm -rf /tmp/qf-kv-out
+        PATH=/tmp/site/bin:$PATH PYTHONPATH=$OURS:/tmp/vsite timeout -k 10 "${T_KV:-480}" python3 benchmarks/kv_cache.py \
+            --out /tmp/qf-kv-out --work /tmp/qf-kv --vllm-site /tmp/vsite ${KV_ARGS:---seqs 2048 --kv fp8_e4m3 --steps 30} "$@" \
+            2>&1 | tee "$OUT/kv.log"
+        [ -d /tmp/qf-kv-out ] && tar czf "$OUT/kv.tgz" -C /tmp/qf-kv-out . ;;
     sglang)
         # the background install (call 6) may still be running: wait for its marker, else install here
         warm_alive() { pid=$(cat "$WORK/sglang-warm.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
@@ -126,5 +139,5 @@ case $cmd in
         done ;;
     report)
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" "$@" ;;
-    *) echo "usage: $0 stash|preflight|students|vllm|sglang|report" >&2; exit 2 ;;
+    *) echo "usage: $0 stash|preflight|students|vllm|kv|sglang|report" >&2; exit 2 ;;
 esac
