@@ -33,6 +33,11 @@
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
 #   9-12  ... run paretoq_seqlsq_seq0 / _lsq0 / _seq1 / _lsq1           (1,500 steps each, ~4-8.5 min)
 #   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
+# Fewer device minutes: SmolLM2 jobs are host-bound and the machine has 16 cores, so `PACK=1 bash
+# benchmarks/gpu/methods.sh par J1 J2 J3` runs them at once in one call and brings back one file (methods.tgz:
+# merge from its unpacked folders). Probe the sharing first, e.g. `PRESET=probe PACK=1 ... par paretoq4
+# paretoq2 paretoq_seqlsq_seq0`: each job's step_ms when sharing the GPU must keep steps x step_ms + ~1.5 min
+# under its 560 s (T_PARETOQ). Not measured yet; `par` rows time nothing (step_ms is the shared one).
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
@@ -46,6 +51,12 @@ OUT=${OUT:-$PWD/gpu_out}
 WORK=${WORK:-/tmp/qf-methods}
 PRESET=${PRESET:-run}
 PY=${PY:-python3}
+# PACK=1: everything this call writes goes to a folder of its own and comes back as ONE file, $OUT/methods.tgz
+# (a call brings back at most 8 files: `par` with 3-4 jobs writes more); nothing already in $OUT is touched
+PACK_TO=""
+if [ -n "${PACK:-}" ]; then
+    PACK_TO=$OUT; OUT=$WORK/pack-$(date +%s)-$$
+fi
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
@@ -169,3 +180,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
     *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv papers; paretoq_pilot" \
             "paretoq4 paretoq3 paretoq2 paretoq158 paretoq1 paretoq_seqlsq_{seq,lsq}{0,1} paretoq_split{4,2}s{0,1})" >&2; exit 2 ;;
 esac
+if [ -n "$PACK_TO" ]; then
+    mkdir -p "$PACK_TO" && tar czf "$PACK_TO/methods.tgz.part" -C "$OUT" . && mv "$PACK_TO/methods.tgz.part" "$PACK_TO/methods.tgz" \
+        && echo "[methods] packed $(find "$OUT" -type f | wc -l) files into $PACK_TO/methods.tgz"
+fi
