@@ -1,6 +1,6 @@
 """A random Qwen3-MoE through the real trainer (model=tiny_qwen3_moe, issue 17's MoE shape on CPU, fp32):
-the configuration refuses impossible shapes with the field named, QAD trains the fused 3-D experts, and
-the trained student's forward runs its experts on exactly the NVFP4 values that NVIDIA Model Optimizer's
+the configuration refuses impossible shapes with the field named, QAD and QAT train the fused 3-D
+experts, and the trained student's forward runs its experts on exactly the NVFP4 values that NVIDIA Model Optimizer's
 own NVFP4 quantizer (NVFP4QTensor, one per-tensor scale per expert: vLLM's ``w13_weight_scale_2``) gives
 for the trained expert weights: an oracle that shares no code with ours. The per-step weight cache on
 the MoE is checked against the per-forward path in tests/test_weight_cache.py."""
@@ -67,18 +67,19 @@ def _modelopt_nvfp4(w3d: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def test_qad_trains_the_experts_and_runs_them_on_modelopts_nvfp4_values(tmp_path):
+@pytest.mark.parametrize("method", ["qad", "qat"])
+def test_training_moves_the_experts_and_runs_them_on_modelopts_nvfp4_values(tmp_path, method):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
     from qatfactory.nn import QuantExpertsMixin, step_cache
     from qatfactory.train.engine import build_model, run
-    cfg = compose(MOE + ["method=qad", "format=nvfp4_w4a16", f"run_dir={tmp_path / 'qad'}"])
+    cfg = compose(MOE + [f"method={method}", "format=nvfp4_w4a16", f"run_dir={tmp_path / method}"])
     init, _, _ = build_model(cfg)
     s = run(cfg)
     s.pop("engine").destroy()
     student = s["student"].model.eval()
     layers = student.model.layers
     assert all(isinstance(l.mlp.experts, QuantExpertsMixin) for l in layers)
-    for a, b in zip(layers, init.model.layers):      # the KD gradients reached the 3-D expert tensors
+    for a, b in zip(layers, init.model.layers):      # the loss's gradients reached the 3-D expert tensors
         assert not torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
         assert not torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
 
