@@ -6,12 +6,33 @@ beside the peers (plain PyTorch loops, NVIDIA Model Optimizer; benchmarks/step_p
     python benchmarks/step.py --loss               # the KD loss alone: naive vs token / token x vocab chunks
     python benchmarks/step.py --loss --loss-smoke  # the same rows at CPU size (checks the script only)
     python benchmarks/step.py --device cpu --model smoke --seq 64 --batch 2 ...   # CPU smoke of the script
+    python benchmarks/step.py --model moe --out DIR       # the MoE table (Qwen3-MoE-like, 64 experts, top-8)
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
 real trainer (qatfactory.train.engine.run). ``--before`` adds, beside each QAT/QAD row, the same run with
 issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
 autograd per loss chunk); the per-linear launch plan cannot be switched off and is in both.
+
+``--model moe``: the same table for a random Qwen3-MoE (model=tiny_qwen3_moe: transformers'
+Qwen3MoeForCausalLM, fused 3-D experts, grouped_mm), same batch. Qwen3-30B-A3B's layer -- hidden 2048,
+32 query / 4 KV heads of 128, experts of width 768, 8 routed per token, top-k weights renormalised --
+with 64 experts (the issue's count, half of the 30B's 128) and 8 layers (of its 48), vocab 32000
+(the Llama rows'; Qwen3's 151936 would put a 311M head and full-vocabulary logits, not experts, into
+the comparison), untied. Per layer 302M expert + 19M attention parameters, 2.70B in all, 0.52B active
+per token: ~30 TFLOP per training step, attention included. Why this size: QAD with a live teacher
+holds about 20 bytes per parameter in the trainer (bf16 weights and gradients, fp32 masters, an fp32
+gradient copy, two fp32 Adam moments) plus a 2-byte bf16 teacher and the 2-byte kept fake-quantized
+weights, ~60 GiB, plus ~1 GiB of saved expert activations per layer at 4 x 2048 tokens x top-8:
+~70 GiB expected (not measured), well inside an H200's 139 GiB with room for Model Optimizer's
+fp32-master QAD (16 bytes per parameter, its full-vocabulary logits, per-expert fake-quantized
+copies); 16 layers (5.3B) would pass 120 GiB. If the grouped expert GEMMs ran as fast as the Llama
+rows' dense ones (~300 TFLOP/s of GPU-busy time in its SFT row) the step's math would take ~100 ms,
+plus a third more for the live teacher's forward: a QAD step of a few hundred ms. The routers
+(mlp.gate) stay bf16 on every row; Model Optimizer runs the experts eager (benchmarks/step_peers.py
+says why and what its rows note). Not yet measured on a GPU. ``--model moe_smoke``: a CPU-sized
+Qwen3-MoE (8 experts, top-2) that checks the script and measures nothing.
+
 Every job runs on one of two persistent workers (ours / peers, benchmarks/step_workers.py), one job at a
 time, in interleaved rounds (``--repeat``, cut short by ``--budget``); the first --warmup steps of a
 run are excluded from its timing and round 0 also profiles --profile-steps more steps (GPU busy vs
@@ -48,7 +69,26 @@ MODELS = {"llama1b": MODEL,
           "smoke": ["model=tiny_llama", "model.dtype=bfloat16", "model.tiny.vocab_size=512",
                     "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
                     "model.tiny.num_hidden_layers=2", "model.tiny.num_attention_heads=4",
-                    "model.tiny.num_key_value_heads=2", "model.tiny.tie_word_embeddings=false"]}
+                    "model.tiny.num_key_value_heads=2", "model.tiny.tie_word_embeddings=false"],
+          # the MoE table's shape (see the docstring) and its CPU smoke
+          "moe": ["model=tiny_qwen3_moe", "model.dtype=bfloat16", "model.tiny.arch=qwen3_moe",
+                  "model.tiny.vocab_size=32000", "model.tiny.hidden_size=2048", "model.tiny.num_hidden_layers=8",
+                  "model.tiny.num_attention_heads=32", "model.tiny.num_key_value_heads=4", "model.tiny.head_dim=128",
+                  "model.tiny.num_experts=64", "model.tiny.num_experts_per_tok=8",
+                  "model.tiny.moe_intermediate_size=768", "model.tiny.norm_topk_prob=true",
+                  "model.tiny.tie_word_embeddings=false"],
+          "moe_smoke": ["model=tiny_qwen3_moe", "model.dtype=bfloat16", "model.tiny.arch=qwen3_moe",
+                        "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_hidden_layers=2",
+                        "model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2",
+                        "model.tiny.head_dim=16", "model.tiny.num_experts=8", "model.tiny.num_experts_per_tok=2",
+                        "model.tiny.moe_intermediate_size=32", "model.tiny.norm_topk_prob=true",
+                        "model.tiny.tie_word_embeddings=false"]}
+SHAPE_NAMES = {"llama1b": "random Llama hidden 2048 x 16 layers",
+               "smollm2": "random Llama, SmolLM2-135M shape (576 x 30 layers)",
+               "smoke": "random Llama, CPU smoke shape (64 x 2 layers): checks the script, measures nothing",
+               "moe": "random Qwen3-MoE hidden 2048 x 8 layers, 64 experts (width 768), top-8, 2.70B parameters",
+               "moe_smoke": "random Qwen3-MoE, CPU smoke shape (64 x 2 layers, 8 experts, top-2): checks the "
+                            "script, measures nothing"}
 BEFORE = " [before: weight cache off, unfused loss]"
 BEFORE_OVER = ["method.loss.fused=false", "env:QF_WEIGHT_CACHE=0"]
 HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
@@ -124,6 +164,7 @@ def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
     from qatfactory.train.engine import run
     from step_profile import StepProfile
     cuda = args.device == "cuda"
+    profile = profile and args.profile_steps > 0          # --profile-steps 0: no profiled steps at all
     run_dir = Path(args.workdir) / (_slug(name) + (f"_{tag}" if tag else ""))
     total = args.steps + (1 + args.profile_steps if profile else 0)
     with _env(over) as hydra:
@@ -141,6 +182,7 @@ def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
         with sp if sp is not None else contextlib.nullcontext(), peak_after_first_step(cuda):
             s = run(cfg)
         s.pop("engine").destroy()
+        note = quantized_note(s["student"].model)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_ms" in r and args.warmup < r["step"] <= args.steps]
     ms = statistics.median(r["step_ms"] for r in steps)
@@ -148,11 +190,31 @@ def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
            "tokens_per_s": args.batch * args.seq / (ms / 1000.0),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "steps_timed": len(steps), "final_loss": steps[-1]["loss"] if steps else None}
+    if note:
+        row["note"] = note
     if sp is not None:
         row["profile"] = sp.result
         if sp.op_text and args.out:
             Path(args.out, f"profile_{_slug(name)}.txt").write_text(sp.op_text)
     return row
+
+
+def quantized_note(model) -> str:
+    """What our run trained quantized, read from the student (MoE: the expert tensors and the experts
+    implementation); empty for a dense model."""
+    from qatfactory.nn import QuantExpertsMixin, QuantLinear
+    fused = [m for m in model.modules() if getattr(m._parameters.get("gate_up_proj"), "ndim", 0) == 3]
+    if not fused:
+        return ""
+    import torch.nn as nn
+    lin = [m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear)) and not n.endswith("lm_head")]
+    q_lin = sum(isinstance(m, QuantLinear) for m in lin)
+    q_exp = sum(isinstance(m, QuantExpertsMixin) for m in fused)
+    impl = getattr(model.config, "_experts_implementation", None)
+    if not q_lin and not q_exp:
+        return f"experts {impl}"
+    return (f"linears {q_lin}/{len(lin)}, expert tensors {2 * q_exp}/{2 * len(fused)} (per-expert scale), "
+            f"experts {impl}")
 
 
 def loss_memory(args) -> int:
@@ -237,7 +299,8 @@ def summarize(order, runs) -> list:
         mem = [r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None]
         tps = [r["tokens_per_s"] for r in ok if "tokens_per_s" in r]
         out.append({"kind": kind, "variant": name, "ms_per_step": statistics.median(ms), "min_ms": min(ms),
-                    "max_ms": max(ms), "rounds": len(ms),
+                    "max_ms": max(ms), "rounds": len(ms), "note": ok[0].get("note"),
+                    "comparable": all(r.get("comparable", True) for r in ok),
                     "tokens_per_s": statistics.median(tps) if tps else 4 * 2048 / (statistics.median(ms) / 1000),
                     "peak_mem_gib": max(mem) if mem else None,
                     "weights_changed_by_step_1": ok[0].get("weights_changed_by_step_1"), "runs": ok})
@@ -247,25 +310,32 @@ def summarize(order, runs) -> list:
 def table(rows) -> str:
     by = {r["variant"]: r for r in rows if "ms_per_step" in r}
     base = by.get("plain loop, fp32 masters")
-    L = ["| variant | ms/step | spread | tokens/s | vs plain fp32-master loop | peak GiB | weights changed by step 1 |",
-         "|---|---:|---|---:|---:|---:|---:|"]
+    notes = any(r.get("note") for r in rows)
+    L = ["| variant | ms/step | spread | tokens/s | vs plain fp32-master loop | peak GiB | weights changed by step 1 |"
+         + (" note |" if notes else ""), "|---|---:|---|---:|---:|---:|---:|" + ("---|" if notes else "")]
+    tail = " |" if notes else ""
     for r in rows:
         if "not_run" in r:
-            L.append(f"| {r['variant']} | not run: {r['not_run'][:90]} | | | | | |")
+            L.append(f"| {r['variant']} | not run: {r['not_run'][:90]} | | | | | |" + tail)
             continue
         if "error" in r:
-            L.append(f"| {r['variant']} | failed | | | | | {r['error'][:90]} |")
+            L.append(f"| {r['variant']} | failed | | | | | {r['error'][:90]} |" + tail)
             continue
         rel = f"{r['ms_per_step'] / base['ms_per_step']:.2f}x" if base else "-"
         ch = r.get("weights_changed_by_step_1")
         mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         chg = "-" if ch is None else f"{100 * ch:.1f}%"
         L.append(f"| {'ours: ' if r['kind'] == 'ours' else ''}{r['variant']} | {r['ms_per_step']:.1f} | "
-                 f"{r['min_ms']:.1f}..{r['max_ms']:.1f} | {r['tokens_per_s']:.0f} | {rel} | {mem} | {chg} |")
+                 f"{r['min_ms']:.1f}..{r['max_ms']:.1f} | {r['tokens_per_s']:.0f} | {rel} | {mem} | {chg} |"
+                 + (f" {r.get('note') or ''} |" if notes else ""))
     L += ["", "| goal | ours / peer | allowed | met |", "|---|---:|---:|---|"]
     for ours, peer, lim in GOALS:
         if ours in by and peer in by:
             q = by[ours]["ms_per_step"] / by[peer]["ms_per_step"]
+            if by[peer].get("comparable") is False or by[ours].get("comparable") is False:
+                # a peer that left weights unquantized did less work: no ratio is a verdict then
+                L.append(f"| {ours} vs {peer} | not comparable ({q:.2f}) | <= {lim:.2f} | - |")
+                continue
             L.append(f"| {ours} vs {peer} | {q:.2f} | <= {lim:.2f} | {'yes' if q <= lim else 'NO'} |")
     return "\n".join(L)
 
@@ -333,9 +403,7 @@ def report(order, runs, notes, args) -> str:
     import step_workers
     order = [o for o in order if o[0] == "ours"] + [o for o in order if o[0] != "ours"]
     rows = summarize(order, runs)
-    shape = {"llama1b": "hidden 2048 x 16 layers", "smollm2": "SmolLM2-135M shape (576 x 30 layers)",
-             "smoke": "CPU smoke shape (64 x 2 layers): checks the script, measures nothing"}[args.model]
-    L = [f"step time, random Llama {shape}, batch {args.batch} x {args.seq}, bf16, {args.steps} steps "
+    L = [f"step time, {SHAPE_NAMES[args.model]}, batch {args.batch} x {args.seq}, bf16, {args.steps} steps "
          f"({args.warmup} warm-up excluded), format {args.format}, device {args.device}, up to {args.repeat} "
          f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds){versions()}", "",
          table(rows), "",
@@ -359,7 +427,8 @@ def main(argv=None):
     ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
     ap.add_argument("--chunk", type=int, default=2048, help="loss chunk (tokens)")
     ap.add_argument("--model", default="llama1b", choices=sorted(MODELS),
-                    help="llama1b: the table's model (default); smollm2: SmolLM2-135M's shape; smoke: CPU-sized")
+                    help="llama1b: the table's model (default); moe: the MoE table's Qwen3-MoE (64 experts, "
+                         "top-8); smollm2: SmolLM2-135M's shape; smoke, moe_smoke: CPU-sized")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
@@ -412,7 +481,8 @@ def main(argv=None):
     jobs = [("ours", name, True) for name in vs]
     if args.peers_on:
         keys = _keys(args.peers or "")
-        jobs += [("peer", name, True) for name in step_peers.PEERS if not keys or any(k in name for k in keys)]
+        jobs += [("peer", name, True) for name in step_peers.peer_names(args.model)
+                 if not keys or any(k in name for k in keys)]
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -81,3 +81,118 @@ def test_report_pairs_before_and_after_and_says_what_did_not_run():
     assert "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only (x) |" in md
     assert "| QAT W4A16 (CE) | 15.0 | 12.0 | 3.0 | 80% | 900 | 950 | gemm (6.0) |" in md
     assert "not run (budget)" in md
+
+
+def test_peer_models_are_ours_parameter_for_parameter():
+    """Every shape, the MoE ones included: the model our trainer builds (engine.tiny_config from
+    step.py's overrides) and the one the peers build (step_peers.hf_config, written out there) are the
+    same class with the same parameters; their configs differ only in the byte tokenizer's special ids
+    and, for the all-sparse MoE, the unused dense intermediate_size."""
+    import torch
+    from qatfactory.train.config import compose
+    from qatfactory.train.engine import tiny_config
+    assert {"moe", "moe_smoke"} <= set(step.MODELS) and set(step.MODELS) == set(step_peers.SHAPES)
+    for name, over in step.MODELS.items():
+        ours_cls, ours = tiny_config(compose(over).model.tiny)
+        peer_cls, peer = step_peers.hf_config(name)
+        assert ours_cls is peer_cls, name
+        a, b = ours.to_dict(), peer.to_dict()
+        differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        allowed = {"bos_token_id", "eos_token_id", "pad_token_id"}
+        if step_peers.is_moe(name):
+            allowed.add("intermediate_size")
+            for c in (ours, peer):
+                assert c.mlp_only_layers == [] and c.decoder_sparse_step == 1      # no dense MLP layer
+        assert differ <= allowed, (name, differ)
+        with torch.device("meta"):
+            pa, pb = ours_cls(ours), peer_cls(peer)
+        assert [(n, p.shape) for n, p in pa.named_parameters()] == [(n, p.shape) for n, p in pb.named_parameters()]
+    # the MoE table's model is what step.py's docstring says: 64 experts, top-8, 2.70B parameters,
+    # 302M of experts per layer, 0.52B active per token
+    cls, cfg = step_peers.hf_config("moe")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size) == (64, 8, 768, 2048)
+    with torch.device("meta"):
+        m = cls(cfg)
+    total = sum(p.numel() for p in m.parameters())
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    active = total - experts * (1 - 8 / 64) - m.model.embed_tokens.weight.numel()
+    assert round(total / 1e9, 2) == 2.70 and round(experts / 8 / 1e6) == 302 and round(active / 1e9, 2) == 0.52
+
+
+def test_modelopt_reaches_the_fused_experts_and_says_how():
+    """What the MoE rows' note claims, checked on Model Optimizer 0.47 itself on a CPU (its NVFP4
+    kernels are CUDA-only, so its quantizers are replaced by recorders for the forward): mtq.quantize
+    gives each expert of each fused 3-D tensor an enabled NVFP4 weight quantizer, switches the model to
+    the eager experts implementation, and in the forward hands expert e's slice to quantizer e. With
+    the expert quantizers disabled the note says NOT COMPARABLE."""
+    import torch
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    model = step_peers.build("moe_smoke", torch.float32, "cpu")
+    assert model.config._experts_implementation == "grouped_mm"
+    model = mtq.quantize(model, mtq.W4A16_NVFP4_CFG, forward_loop=None)
+    cov = step_peers.modelopt_coverage(model)
+    assert cov == {"linears": 8, "linears_quantized": 8, "expert_tensors": 4, "expert_tensors_quantized": 4,
+                   "experts_implementation": "eager"}
+    note, ok = step_peers.coverage_note(cov)
+    assert ok and note == ("linears 8/8, expert tensors 4/4 (per-expert NVFP4), experts eager (forced by ModelOpt)")
+    seen = {}
+    for n, q in model.named_modules():
+        if isinstance(q, TensorQuantizer):
+            q.forward = lambda x, _n=n: (seen.setdefault(_n, []).append(x.detach().clone()), x)[1]
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for li, layer in enumerate(model.model.layers):
+        ex = layer.mlp.experts
+        hit = [e for e in range(8) if f"model.layers.{li}.mlp.experts.gate_up_proj_weight_quantizers.{e}" in seen]
+        assert len(hit) >= 4, hit
+        for e in hit:
+            pre = f"model.layers.{li}.mlp.experts."
+            assert all(torch.equal(x, ex.gate_up_proj[e]) for x in seen[f"{pre}gate_up_proj_weight_quantizers.{e}"])
+            assert all(torch.equal(x, ex.down_proj[e]) for x in seen[f"{pre}down_proj_weight_quantizers.{e}"])
+        assert torch.equal(seen[f"model.layers.{li}.self_attn.q_proj.weight_quantizer"][0], layer.self_attn.q_proj.weight)
+    mtq.disable_quantizer(model, "*experts*")
+    note, ok = step_peers.coverage_note(step_peers.modelopt_coverage(model))
+    assert not ok and note.startswith("NOT COMPARABLE") and "expert tensors 0/4" in note
+
+
+def test_a_peer_that_left_weights_unquantized_gets_no_verdict():
+    runs = {"QAT W4A16 (CE)": [{"ms_per_step": 10.0, "peak_mem_gib": 2.0, "note": "expert tensors 16/16"}],
+            "ModelOpt W4A16 QAT, fp32 masters": [{"ms_per_step": 20.0, "peak_mem_gib": 3.0, "comparable": False,
+                                                  "note": "NOT COMPARABLE: not all weights quantized; x"}]}
+    rows = step.summarize([("ours", "QAT W4A16 (CE)"), ("peer", "ModelOpt W4A16 QAT, fp32 masters")], runs)
+    t = step.table(rows)
+    assert "| QAT W4A16 (CE) vs ModelOpt W4A16 QAT, fp32 masters | not comparable (0.50) | <= 1.00 | - |" in t
+    assert "| NOT COMPARABLE: not all weights quantized; x |" in t and "| expert tensors 16/16 |" in t
+
+
+def test_step_bench_runs_the_moe_table_end_to_end_on_a_cpu(tmp_path):
+    """benchmarks/step.py --model moe_smoke: our QAT / QAD rows through the trainer on the random
+    Qwen3-MoE and the peers' plain loops (grouped_mm and eager experts) on persistent workers, one
+    table; Model Optimizer's rows say they need CUDA. Checks the script; the numbers mean nothing."""
+    import os
+    out = tmp_path / "out"
+    # a trainer run earlier in this process left its one-process group's address in the environment
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step.py"), "--device", "cpu", "--model", "moe_smoke",
+                        "--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "0", "--repeat", "1",
+                        "--variants", "QAT W4A16 (CE)|QAD W4A16 live teacher", "--skip", "grad ckpt",
+                        "--peers", "plain loop, fp32 masters|ModelOpt W4A16 QAT, fp32", "--profile-steps", "0",
+                        "--job-timeout", "240", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (out / "step.md").read_text()
+    assert md.startswith("step time, random Qwen3-MoE, CPU smoke shape")
+    rows = {r["variant"]: r for r in json.loads((out / "step.json").read_text())["rows"]}
+    assert set(rows) == {"QAT W4A16 (CE)", "QAD W4A16 live teacher", "plain loop, fp32 masters",
+                         "plain loop, fp32 masters, eager experts", "ModelOpt W4A16 QAT, fp32 masters"}
+    for name in ("QAT W4A16 (CE)", "QAD W4A16 live teacher"):
+        assert rows[name]["ms_per_step"] > 0, rows[name]
+        # the student's 4 fused expert tensors (2 layers x gate_up, down) came out quantized
+        assert rows[name]["note"] == "linears 8/8, expert tensors 4/4 (per-expert scale), experts grouped_mm"
+    assert rows["plain loop, fp32 masters, eager experts"]["note"] == "experts eager"
+    assert rows["plain loop, fp32 masters"]["note"].startswith("experts grouped_mm on bf16 casts")
+    assert "CUDA only" in rows["ModelOpt W4A16 QAT, fp32 masters"]["not_run"]
+    assert "| ours: QAD W4A16 live teacher |" in md and "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only" in md

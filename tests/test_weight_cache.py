@@ -243,6 +243,14 @@ def _trainer_run(tmp_path, name, cache, monkeypatch, *over):
     from qatfactory.train.engine import run
     monkeypatch.setenv("QF_WEIGHT_CACHE", "1" if cache else "0")
     weight_cache.reset_stats()
+    served = {True: 0, False: 0}          # kept entries handed to a forward: experts / linears
+    lookup = weight_cache.lookup
+
+    def counted(site):
+        e = lookup(site)
+        served[site.experts] += e is not None
+        return e
+    monkeypatch.setattr(weight_cache, "lookup", counted)
     cfg = compose(["train=cpu_tiny", "data.synthetic=16", "data.seq_len=32", "data.eval_samples=2",
                    "train.eval_every=2", "train.max_steps=3", "train.lr=1e-2", "train.grad_accum=2",
                    "method=qad", "format=nvfp4_w4a4", "model.tiny.initializer_range=0.3",
@@ -250,19 +258,36 @@ def _trainer_run(tmp_path, name, cache, monkeypatch, *over):
     s = run(cfg)
     s.pop("engine").destroy()
     recs = [json.loads(line) for line in (Path(tmp_path / name) / "metrics.jsonl").read_text().splitlines()]
-    return recs, weight_cache.stats()
+    return recs, dict(weight_cache.stats(), experts_served=served[True], linears_served=served[False]), \
+        s["student"].model
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_trainer_with_grad_accumulation_is_bit_identical(tmp_path, monkeypatch, precision):
+@pytest.mark.parametrize("model,precision", [("tiny_llama", "fp32"), ("tiny_llama", "bf16"),
+                                             ("tiny_qwen3_moe", "fp32"), ("tiny_qwen3_moe", "bf16")])
+def test_trainer_with_grad_accumulation_is_bit_identical(tmp_path, monkeypatch, model, precision):
     """The trainer (DeepSpeed; bf16: its BF16 optimizer writes the weights through .data, which only the
-    trainer's weights_changed() at the accumulation boundary reports) with the cache on and off: the same
-    losses and evaluations, bit for bit, and the weights quantized once per optimizer step."""
-    over = [f"train.precision={precision}", f"model.dtype={'float32' if precision == 'fp32' else 'bfloat16'}"]
-    on, st = _trainer_run(tmp_path, "on", True, monkeypatch, *over)
-    off, st_off = _trainer_run(tmp_path, "off", False, monkeypatch, *over)
+    trainer's weights_changed() at the accumulation boundary reports) with the cache on and off, on the
+    random Llama and the random Qwen3-MoE (fused 3-D experts, W4A4 through grouped_mm): the same losses
+    and evaluations, bit for bit, the same trained weights after three AdamW steps (so the same gradients
+    went in), and every weight, the expert tensors included, quantized once per epoch of the cache."""
+    over = [f"model={model}", f"train.precision={precision}",
+            f"model.dtype={'float32' if precision == 'fp32' else 'bfloat16'}"]
+    on, st, m_on = _trainer_run(tmp_path, "on", True, monkeypatch, *over)
+    off, st_off, m_off = _trainer_run(tmp_path, "off", False, monkeypatch, *over)
     timing = ("step_ms", "tokens_per_s", "mem_gb")
     assert [{k: v for k, v in r.items() if k not in timing} for r in on] == \
         [{k: v for k, v in r.items() if k not in timing} for r in off]
     assert len([r for r in on if "loss" in r]) == 3 and len([r for r in on if "eval/kl" in r]) == 3
     assert st_off["fills"] == 0 and st["fills"] > 0 and st["hits"] > st["fills"]
+    sd_on, sd_off = m_on.state_dict(), m_off.state_dict()
+    assert sd_on.keys() == sd_off.keys()
+    for k in sd_on:
+        assert torch.equal(sd_on[k], sd_off[k]), k
+    sites = _all_sites(m_on)
+    n_exp = sum(s.experts for s in sites)
+    assert n_exp == (4 if model == "tiny_qwen3_moe" else 0)        # gate_up and down of both layers
+    assert st["fills"] % len(sites) == 0, (st, len(sites))           # whole epochs: experts filled with the rest
+    # the MoE forwards read the experts from the cache: per training forward (3 steps x 2 micro-batches)
+    # each expert site at least once, besides the evaluations; the per-forward path never
+    assert st["experts_served"] >= 6 * n_exp and st["linears_served"] > 0
+    assert st_off["experts_served"] == st_off["linears_served"] == 0

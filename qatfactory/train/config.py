@@ -42,12 +42,20 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamw_torch", "adamw_fused")
 MODEL_DTYPES = ("bfloat16", "float32", "float16")
+TINY_ARCHS = ("llama", "qwen3_moe")
+# model.name of the random models (model.path and model.asset null) -> the model.tiny.arch it builds
+TINY_NAMES = {"tiny_llama": "llama", "tiny_qwen3_moe": "qwen3_moe"}
 
 
 @dataclass
 class TinyModelConfig:
-    """A random Llama for tests and smoke runs (no download)."""
+    """A random model for tests, smoke runs and benchmarks (no download): ``arch=llama`` builds
+    transformers' LlamaForCausalLM, ``arch=qwen3_moe`` its Qwen3MoeForCausalLM (every layer a sparse
+    MoE block: ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok``
+    routed per token, the experts held as fused 3-D tensors). The ``num_experts`` ..
+    ``norm_topk_prob`` fields are read by qwen3_moe only; ``intermediate_size`` by llama only."""
 
+    arch: str = "llama"            # llama | qwen3_moe
     vocab_size: int = 259          # the ByteTokenizer's vocabulary
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -57,6 +65,11 @@ class TinyModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02   # larger: peakier random outputs (a teacher worth distilling)
+    head_dim: Optional[int] = None    # qwen3_moe: None = hidden_size / num_attention_heads
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True       # Qwen3-MoE's released configs renormalise the top-k router weights
 
 
 @dataclass
@@ -154,6 +167,40 @@ def _choice(fld: str, v, allowed):
         raise ValueError(f"{fld}={v!r}; allowed: {list(allowed)}")
 
 
+def check_tiny(t: TinyModelConfig, arch: str, name: str) -> None:
+    """The random model's shape: the sizes transformers would otherwise reject deep inside its init
+    (or accept and build something else), each named with what is allowed."""
+    _choice("model.tiny.arch", t.arch, TINY_ARCHS)
+    if t.arch != arch:
+        raise ValueError(f"model.tiny.arch={t.arch!r} with model.name={name!r}, which builds {arch!r}; "
+                         f"pick the recipe of the architecture: model={next(n for n, a in TINY_NAMES.items() if a == t.arch)}")
+    ints = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings"]
+    ints += ["intermediate_size"] if t.arch == "llama" else ["num_experts", "num_experts_per_tok",
+                                                              "moe_intermediate_size"]
+    for fld in ints:
+        if int(getattr(t, fld)) < 1:
+            raise ValueError(f"model.tiny.{fld}={getattr(t, fld)!r}; allowed: an int >= 1")
+    if t.num_attention_heads % t.num_key_value_heads:
+        raise ValueError(f"model.tiny.num_attention_heads={t.num_attention_heads} is not a multiple of "
+                         f"model.tiny.num_key_value_heads={t.num_key_value_heads}; allowed: a multiple (grouped-query "
+                         f"attention shares each KV head among the same number of query heads)")
+    if t.arch == "llama" and t.head_dim is not None:
+        raise ValueError(f"model.tiny.head_dim={t.head_dim!r} with model.tiny.arch='llama'; allowed: null (the Llama "
+                         f"head is hidden_size / num_attention_heads)")
+    if t.head_dim is None and t.hidden_size % t.num_attention_heads:
+        raise ValueError(f"model.tiny.hidden_size={t.hidden_size} is not a multiple of model.tiny.num_attention_heads="
+                         f"{t.num_attention_heads}" + ("; set model.tiny.head_dim" if t.arch != "llama" else ""))
+    if t.head_dim is not None and (int(t.head_dim) < 2 or int(t.head_dim) % 2):
+        raise ValueError(f"model.tiny.head_dim={t.head_dim!r}; allowed: an even int >= 2 (rotary embeddings rotate "
+                         f"pairs), or null (hidden_size / num_attention_heads)")
+    if t.arch == "qwen3_moe" and t.num_experts_per_tok > t.num_experts:
+        raise ValueError(f"model.tiny.num_experts_per_tok={t.num_experts_per_tok} > model.tiny.num_experts="
+                         f"{t.num_experts}; allowed: 1..num_experts (experts routed per token)")
+    if not t.initializer_range > 0:
+        raise ValueError(f"model.tiny.initializer_range={t.initializer_range!r}; allowed: a number > 0")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Ranges and choices that the types cannot say; returns cfg."""
     m, t = cfg.method, cfg.train
@@ -182,9 +229,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     if m.topk < 1:
         raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
     method.validate(cfg)
-    if cfg.model.path is None and cfg.model.asset is None and cfg.model.name != "tiny_llama":
-        raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
-                         f"(model.path=/path/to/hf_dir)")
+    if cfg.model.path is None and cfg.model.asset is None:
+        if cfg.model.name not in TINY_NAMES:
+            raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
+                             f"(model.path=/path/to/hf_dir), or a random model: model={list(TINY_NAMES)}")
+        check_tiny(cfg.model.tiny, TINY_NAMES[cfg.model.name], cfg.model.name)
     if not 0.0 <= float(t.quant_start) <= 1.0:
         raise ValueError(f"train.quant_start={t.quant_start!r}; allowed: a fraction of max_steps in 0..1 "
                          f"(0.9: 90% full precision, then QAT)")

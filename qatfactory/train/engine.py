@@ -110,6 +110,27 @@ def seed_all(seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------- model
+def tiny_config(t):
+    """(model class, transformers config) of a random model (config.TinyModelConfig): a Llama, or a
+    Qwen3-MoE whose every layer is a sparse MoE block (fused 3-D experts; transformers picks its
+    grouped_mm experts implementation, which the W4A4 expert quantizers need: nn/experts.py)."""
+    import transformers as T  # noqa: PLC0415 (heavy: transformers)
+    common = dict(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
+                  num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                  tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=t.max_position_embeddings,
+                  initializer_range=t.initializer_range, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    if t.arch == "llama":
+        return T.LlamaForCausalLM, T.LlamaConfig(intermediate_size=t.intermediate_size, **common)
+    if t.arch == "qwen3_moe":
+        hd = t.head_dim if t.head_dim is not None else t.hidden_size // t.num_attention_heads
+        # no dense layers (mlp_only_layers, decoder_sparse_step 1), so intermediate_size is unused
+        return T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
+            head_dim=hd, num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
+            moe_intermediate_size=t.moe_intermediate_size, norm_topk_prob=t.norm_topk_prob, decoder_sparse_step=1,
+            mlp_only_layers=[], intermediate_size=t.moe_intermediate_size, **common)
+    raise ValueError(f"model.tiny.arch={t.arch!r}; allowed: ['llama', 'qwen3_moe']")
+
+
 def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
     """(model, tokenizer, source_dir) of cfg.model, in model.dtype. A random-init model is built
     directly on ``device`` when that is a GPU (seconds instead of a minute of CPU init for 1B)."""
@@ -119,19 +140,12 @@ def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
     if path is None and m.asset:
         path = str(assets.prepare_model_dir(m.asset))
     if path is None:
-        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (heavy: transformers)
-        t = m.tiny
-        hf = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-                         num_key_value_heads=t.num_key_value_heads, tie_word_embeddings=t.tie_word_embeddings,
-                         max_position_embeddings=t.max_position_embeddings, bos_token_id=256,
-                         initializer_range=t.initializer_range, eos_token_id=257,
-                         pad_token_id=258)
+        cls, hf = tiny_config(m.tiny)
         on_gpu = device is not None and device.type == "cuda"
         with torch.random.fork_rng(devices=[device] if on_gpu else []):
             torch.manual_seed(m.init_seed)
             with torch.device(device if on_gpu else "cpu"):
-                model = LlamaForCausalLM(hf)
+                model = cls(hf)
         return model.to(dtype), load_tokenizer(m.tokenizer), None
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory (a local Hugging Face model dir)")
