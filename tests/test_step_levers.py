@@ -199,3 +199,28 @@ def test_loss_reads_the_host_once_for_all_chunks(monkeypatch):
     rh, rw = torch.autograd.grad(ref, (h, wt))
     assert torch.allclose(gh, rh, rtol=1e-10, atol=1e-15) and torch.allclose(gw, rw, rtol=1e-10, atol=1e-15)
     assert reads == 0       # (the per-chunk bool() this replaced read 8 here)
+
+
+def test_fused_adam_stand_in_is_adamw_and_counts_cuda_launches():
+    """The CPU stand-in computes AdamW (torch's, to float rounding) through DeepSpeed's own FusedAdam.step;
+    the CUDA launch count follows multi_tensor_apply's tables (36 tensors, 320 blocks of 65,536 per launch)."""
+    import fused_adam_cpu as F
+    from deepspeed.ops.adam import FusedAdam
+    g = torch.Generator().manual_seed(0)
+    p0 = [torch.randn(300, generator=g), torch.randn(7, 5, generator=g)]
+    a = [x.clone().requires_grad_() for x in p0]
+    b = [x.clone().requires_grad_() for x in p0]
+    opt_a = F.fused_adam_cpu_class()(a, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_b = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    assert isinstance(opt_a, FusedAdam)
+    for _ in range(3):
+        grads = [torch.randn(x.shape, generator=g) for x in p0]
+        for x, y, gr in zip(a, b, grads):
+            x.grad, y.grad = gr.clone(), gr.clone()
+        opt_a.step()
+        opt_b.step()
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+    assert F.cuda_launches([1]) == 1 and F.cuda_launches([65536 * 320]) == 1
+    assert F.cuda_launches([65536 * 320 + 1]) == 2 and F.cuda_launches([10] * 36) == 1
+    assert F.cuda_launches([10] * 37) == 2 and F.cuda_launches([886_100_000]) == 43

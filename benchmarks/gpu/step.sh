@@ -13,10 +13,17 @@
 #    16/8 heads, MLP 5632, vocab 32000, batch 4 x 2048, bf16), rounds until TOTAL seconds from the start
 #    are spent                                              -> $OUT/step.md, step.json, step_bench.log,
 #                                                              step_worker_{ours,peer}.log
+#    Rows (11 ours + 7 peers a round, 2-4 s a job once warm: ~60 s a round): SFT, QAT W4A16, W4A4, live
+#    and cached QAD; "[before: stock DeepSpeed step]" of SFT, W4A4 and live QAD (train.lean_step=false
+#    train.ds_timers=true: DeepSpeed's per-parameter step, one-rank all-reduce and timer syncs); the
+#    DeepSpeed paths "bf16 SFT, ZeRO-1" and "... BF16_Optimizer (fp32 grads, immediate update)"; the memory
+#    lever "QAD W4A16 live teacher, lean activations". The weight-cache / fused-loss before rows (measured
+#    2026-12-01) are skipped: SKIP='grad ckpt|LoRA' brings them back (4 more jobs).
 # On a CPU, to check the script end to end before spending device time (measures nothing):
 #   DEVICE=cpu TINY=1 bash benchmarks/gpu/step.sh
 # Knobs: TOTAL (default 345 s: the whole call), STEPS (8), WARMUP (3), REPEAT (3), PROFILE_STEPS (2),
-# FORMAT (nvfp4), STEP_EXTRA (more step.py arguments, e.g. "--op-table 'QAT W4A16 (CE)'").
+# FORMAT (nvfp4), SKIP (our rows left out, default "grad ckpt|LoRA|weight cache off"), STEP_EXTRA (more
+# step.py arguments, e.g. "--op-table 'QAT W4A16 (CE)'").
 # Not done here: the MoE shape (the trainer's random models are Llama only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,7 +72,7 @@ BUDGET=$(( ${TOTAL:-345} - ($(date +%s) - T0) - 15 ))
 echo "== benchmark: $BUDGET s left for the rounds"
 # shellcheck disable=SC2086
 $PY benchmarks/step.py "${ARGS[@]}" --format "${FORMAT:-nvfp4}" --before --variants "$VARIANTS" \
-    --skip "grad ckpt|LoRA" --peers "$PEERS" --profile-steps "${PROFILE_STEPS:-2}" --budget "$BUDGET" \
+    --skip "${SKIP:-grad ckpt|LoRA|weight cache off}" --peers "$PEERS" --profile-steps "${PROFILE_STEPS:-2}" --budget "$BUDGET" \
     --out "$OUT" ${STEP_EXTRA:-} 2> "$OUT/step_bench.log"
 rc=$?
 [ -f "$OUT/step.md" ] || { echo "no step.md; the log's tail:"; tail -40 "$OUT/step_bench.log"; }
