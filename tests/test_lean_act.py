@@ -82,9 +82,11 @@ def test_lean_modules_keep_less_for_the_backward():
     assert per_token == want + (2 * L + 1) * 4, (per_token, want)
 
 
-def test_trainer_with_lean_act_trains_the_same_bits(tmp_path):
-    """train.lean_act through the trainer (QAD NVFP4 W4A16, live teacher, bf16 DeepSpeed): the same losses
-    and weights bit for bit after 3 steps."""
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "grad_ckpt"])
+def test_trainer_with_lean_act_trains_the_same_bits(tmp_path, ckpt):
+    """train.lean_act through the trainer (QAD NVFP4 W4A16, live teacher, bf16 DeepSpeed; also inside
+    gradient checkpointing, a checkpoint within a checkpoint): the same losses and weights bit for bit
+    after 3 steps."""
     import json
 
     from qatfactory.train.config import compose
@@ -93,7 +95,8 @@ def test_trainer_with_lean_act_trains_the_same_bits(tmp_path):
     for name, over in (("ref", []), ("lean", ["train.lean_act=true"])):
         cfg = compose(["train=cpu_tiny", "train.precision=bf16", "model.dtype=bfloat16", "data.synthetic=12",
                        "data.seq_len=32", "data.eval_samples=2", "train.eval_every=0", "train.max_steps=3",
-                       "train.lr=1e-2", "method=qad", "format=nvfp4_w4a16", f"run_dir={tmp_path / name}", *over])
+                       "train.lr=1e-2", "method=qad", "format=nvfp4_w4a16", f"train.grad_ckpt={str(ckpt).lower()}",
+                       f"run_dir={tmp_path / name}", *over])
         s = run(cfg)
         eng = s.pop("engine")
         w = {k: _bits(v.detach().clone()) for k, v in eng.module.lm.state_dict().items()}
