@@ -127,8 +127,8 @@ class TrainConfig:
     quant_lr: Optional[float] = None
     # issue 17, the host work of a step (train/ds_step.py; the same bits either way, tests/test_step_levers.py):
     # lean_step: DeepSpeed's bf16 ZeRO-0 step without its per-parameter overflow reads and copies, and no
-    # gradient all-reduce on one rank; ds_timers: DeepSpeed's
-    # throughput timer (a device sync at every forward and step)
+    # gradient all-reduce on one rank; ds_timers: DeepSpeed's throughput timer (a device sync at every
+    # forward and every step, for a report the trainer never prints)
     lean_step: bool = True
     ds_timers: bool = False
     # bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer; needs zero_stage >= 1):
