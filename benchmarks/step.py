@@ -12,7 +12,10 @@ Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, v
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
 real trainer (qatfactory.train.engine.run). ``--before`` adds, beside each QAT/QAD row, the same run with
 issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
-autograd per loss chunk); the per-linear launch plan cannot be switched off and is in both.
+autograd per loss chunk; the per-linear launch plan cannot be switched off and is in both), and beside SFT,
+W4A4 and live QAD a "[before: stock DeepSpeed step]" row (train.lean_step=false train.ds_timers=true:
+DeepSpeed's per-parameter bf16 step, one-rank all-reduce and timer syncs; benchmarks/step_counts.py counts
+them). Rows to measure beside the default: ZeRO-1, BF16_Optimizer, lean activations (a memory lever).
 
 ``--model moe``: the same table for a random Qwen3-MoE (model=tiny_qwen3_moe: transformers'
 Qwen3MoeForCausalLM, fused 3-D experts, grouped_mm), same batch. Qwen3-30B-A3B's layer -- hidden 2048,
@@ -92,6 +95,14 @@ SHAPE_NAMES = {"llama1b": "random Llama hidden 2048 x 16 layers",
 BEFORE = " [before: weight cache off, unfused loss]"
 BEFORE_OVER = ["method.loss.fused=false", "env:QF_WEIGHT_CACHE=0"]
 HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
+# issue 17, the host work of the step (train/ds_step.py; the same bits, tests/test_step_levers.py): DeepSpeed's
+# own bf16 ZeRO-0 step (a host read and copies per parameter), its one-rank all-reduce and throughput timer
+BEFORE_DS = " [before: stock DeepSpeed step]"
+BEFORE_DS_OVER = ["train.lean_step=false", "train.ds_timers=true"]
+HAS_BEFORE_DS = ("bf16 SFT (no quant, CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher")
+# (before suffix, the variants that have one, what the before row turns off): the levers table pairs them
+BEFORE_KINDS = ((BEFORE, HAS_BEFORE, "QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both"),
+                (BEFORE_DS, HAS_BEFORE_DS, "train.lean_step=false train.ds_timers=true"))
 
 
 def variants(fmt: str, before: bool = False):
@@ -104,11 +115,20 @@ def variants(fmt: str, before: bool = False):
         "QAD W4A16 live teacher, grad ckpt": ["method=qad", w16, "train.grad_ckpt=true"],
         "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
         "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
+        # issue 17's DeepSpeed paths and the activation-memory lever (rows to measure beside the default;
+        # tests/test_step_levers.py, tests/test_lean_act.py say what they compute)
+        "bf16 SFT, ZeRO-1": ["method=qat", "format=bf16", "method.eval_teacher=false", "train.zero_stage=1"],
+        "bf16 SFT, ZeRO-1 BF16_Optimizer (fp32 grads, immediate update)":
+            ["method=qat", "format=bf16", "method.eval_teacher=false", "train.zero_stage=1",
+             "train.grad_accum_dtype=fp32", "train.immediate_grad_update=true"],
+        "QAD W4A16 live teacher, lean activations": ["method=qad", w16, "train.lean_act=true"],
     }
     out = {}
     for name, over in base.items():
         if before and name in HAS_BEFORE:
             out[name + BEFORE] = over + BEFORE_OVER
+        if before and name in HAS_BEFORE_DS:
+            out[name + BEFORE_DS] = over + BEFORE_DS_OVER
         out[name] = over
     return out
 
@@ -168,13 +188,14 @@ def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
     run_dir = Path(args.workdir) / (_slug(name) + (f"_{tag}" if tag else ""))
     total = args.steps + (1 + args.profile_steps if profile else 0)
     with _env(over) as hydra:
-        cfg = compose(MODELS[args.model] + hydra + [
+        # the variant's own overrides last: a lever row may override the fixed ones (train.zero_stage=1)
+        cfg = compose(MODELS[args.model] + [
             f"run_dir={run_dir}", "data.synthetic=%d" % (total * args.batch), f"data.seq_len={args.seq}",
             "data.eval_samples=1", f"train.micro_batch={args.batch}", "train.grad_accum=1", "train.precision=bf16",
             f"train.optimizer={'adamw_fused' if cuda else 'adamw_torch'}", "train.zero_stage=0",
             f"train.max_steps={total}", "train.eval_every=0", "train.eval_samples=1", "train.save_final=false",
             "train.save_student=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
-            f"train.device={args.device}", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"])
+            f"train.device={args.device}", "method.calib_samples=2", f"method.loss.chunk_tokens={args.chunk}"] + hydra)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         sp = StepProfile(skip=args.steps + 1, steps=args.profile_steps, device=args.device,
@@ -387,15 +408,16 @@ def _common(args):
 def levers(rows) -> str:
     """Each variant run with and without issue 17's switchable levers: before, after, the ratio."""
     by = {r["variant"]: r for r in rows if "ms_per_step" in r}
-    L = ["| variant | before ms/step | after ms/step | after / before | before peak GiB | after peak GiB |",
-         "|---|---:|---:|---:|---:|---:|"]
-    for name in HAS_BEFORE:
-        b, a = by.get(name + BEFORE), by.get(name)
-        if a is None or b is None:
-            continue
-        gib = lambda r: "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"   # noqa: E731
-        L.append(f"| {name} | {b['ms_per_step']:.1f} | {a['ms_per_step']:.1f} | "
-                 f"{a['ms_per_step'] / b['ms_per_step']:.2f} | {gib(b)} | {gib(a)} |")
+    L = ["| variant | before (what is off) | before ms/step | after ms/step | after / before | before peak GiB "
+         "| after peak GiB |", "|---|---|---:|---:|---:|---:|---:|"]
+    gib = lambda r: "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"   # noqa: E731
+    for suffix, names, what in BEFORE_KINDS:
+        for name in names:
+            b, a = by.get(name + suffix), by.get(name)
+            if a is None or b is None:
+                continue
+            L.append(f"| {name} | {what} | {b['ms_per_step']:.1f} | {a['ms_per_step']:.1f} | "
+                     f"{a['ms_per_step'] / b['ms_per_step']:.2f} | {gib(b)} | {gib(a)} |")
     return "\n".join(L) if len(L) > 2 else ""
 
 
@@ -407,7 +429,7 @@ def report(order, runs, notes, args) -> str:
          f"({args.warmup} warm-up excluded), format {args.format}, device {args.device}, up to {args.repeat} "
          f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds){versions()}", "",
          table(rows), "",
-         "issue 17's levers (before: QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both):",
+         "issue 17's levers (each before row turns off what its column says):",
          "", levers(rows) or "(no before/after pairs ran)", "",
          f"profile (round 0, {args.profile_steps} steps after the timed ones; GPU busy = union of kernel/copy "
          f"intervals; idle = wall - busy, the host-bound share):", "", step_workers.profile_table(order, runs)]

@@ -66,18 +66,22 @@ def test_profile_summary_takes_the_union_of_gpu_intervals():
 
 def test_report_pairs_before_and_after_and_says_what_did_not_run():
     runs = {"QAT W4A16 (CE)" + step.BEFORE: [{"ms_per_step": 20.0, "peak_mem_gib": 2.0, "round": 0}],
+            "QAT W4A4 (CE)" + step.BEFORE_DS: [{"ms_per_step": 30.0, "peak_mem_gib": 2.0, "round": 0}],
+            "QAT W4A4 (CE)": [{"ms_per_step": 24.0, "peak_mem_gib": 2.0, "round": 0}],
             "QAT W4A16 (CE)": [{"ms_per_step": 15.0, "peak_mem_gib": 3.0, "round": 0,
                                 "profile": {"gpu_busy_ms_per_step": 12.0, "kernels_per_step": 900.0,
                                             "launches_per_step": 950.0, "cpu_ops_per_step": 0.0,
                                             "top_kernels": [{"name": "gemm", "ms_per_step": 6.0}]}}],
             "ModelOpt W4A16 QAT, fp32 masters": [{"not_run": "CUDA only (x)", "round": 0}]}
     order = [("peer", "ModelOpt W4A16 QAT, fp32 masters"), ("ours", "QAT W4A16 (CE)" + step.BEFORE),
-             ("ours", "QAT W4A16 (CE)")]
+             ("ours", "QAT W4A16 (CE)"), ("ours", "QAT W4A4 (CE)" + step.BEFORE_DS), ("ours", "QAT W4A4 (CE)")]
     args = step.argparse.Namespace(model="smoke", batch=2, seq=64, steps=4, warmup=1, format="nvfp4", device="cpu",
                                    repeat=2, profile_steps=2)
     md, rows = step.report(order, runs, ["round 1: 'x' not run (budget)"], args)
     assert [r["variant"] for r in rows][-1] == "ModelOpt W4A16 QAT, fp32 masters"      # ours first
-    assert "| QAT W4A16 (CE) | 20.0 | 15.0 | 0.75 | 2.0 | 3.0 |" in md
+    assert "| QAT W4A16 (CE) | QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both | 20.0 | " \
+        "15.0 | 0.75 | 2.0 | 3.0 |" in md
+    assert "| QAT W4A4 (CE) | train.lean_step=false train.ds_timers=true | 30.0 | 24.0 | 0.80 |" in md
     assert "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only (x) |" in md
     assert "| QAT W4A16 (CE) | 15.0 | 12.0 | 3.0 | 80% | 900 | 950 | gemm (6.0) |" in md
     assert "not run (budget)" in md
@@ -196,3 +200,19 @@ def test_step_bench_runs_the_moe_table_end_to_end_on_a_cpu(tmp_path):
     assert rows["plain loop, fp32 masters"]["note"].startswith("experts grouped_mm on bf16 casts")
     assert "CUDA only" in rows["ModelOpt W4A16 QAT, fp32 masters"]["not_run"]
     assert "| ours: QAD W4A16 live teacher |" in md and "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only" in md
+
+
+def test_every_variant_composes_with_the_fixed_overrides():
+    """Each of step.py's rows is a valid trainer config (its overrides come last in step.one, so a lever row
+    may override the fixed ones: train.zero_stage=1 wins over the fixed train.zero_stage=0)."""
+    from qatfactory.train.config import compose
+    fixed = ["train.zero_stage=0", "train.precision=bf16", "train.device=cpu"]
+    for name, over in step.variants("nvfp4", before=True).items():
+        cfg = compose(step.MODELS["smoke"] + fixed + [o for o in over if not o.startswith("env:")])
+        if "ZeRO-1" in name:
+            assert cfg.train.zero_stage == 1, name
+        if step.BEFORE_DS in name:
+            assert not cfg.train.lean_step and cfg.train.ds_timers, name
+        if "lean activations" in name:
+            assert cfg.train.lean_act, name
+    assert not compose(step.MODELS["smoke"] + fixed).train.ds_timers        # the default: no timer syncs

@@ -13,6 +13,12 @@
 #    16/8 heads, MLP 5632, vocab 32000, batch 4 x 2048, bf16), rounds until TOTAL seconds from the start
 #    are spent                                              -> $OUT/step.md, step.json, step_bench.log,
 #                                                              step_worker_{ours,peer}.log
+#    Rows (11 ours + 7 peers a round, 2-4 s a job once warm: ~60 s a round): SFT, QAT W4A16, W4A4, live
+#    and cached QAD; "[before: stock DeepSpeed step]" of SFT, W4A4 and live QAD (train.lean_step=false
+#    train.ds_timers=true: DeepSpeed's per-parameter step, one-rank all-reduce and timer syncs); the
+#    DeepSpeed paths "bf16 SFT, ZeRO-1" and "... BF16_Optimizer (fp32 grads, immediate update)"; the memory
+#    lever "QAD W4A16 live teacher, lean activations". The weight-cache / fused-loss before rows (measured
+#    2026-12-01) are skipped: SKIP='grad ckpt|LoRA' brings them back (4 more jobs).
 # The MoE table (issue 17: Qwen3-MoE-like, 64 experts, top-8; the shape and why: benchmarks/step.py) is a
 # second call of its own, about 8 minutes (TOTAL 480 s; one call stays under 600 s):
 #
@@ -20,14 +26,16 @@
 #
 # the same steps 1-2, then step.py --model moe: our SFT / QAT W4A16 / W4A4 / live and cached QAD beside the
 # plain loops (fp32 masters, bf16 params, and fp32 masters on the eager experts Model Optimizer forces) and
-# Model Optimizer's QAT / QAD, without the before rows (BEFORE=1 adds them; fewer rounds then). Its jobs
+# Model Optimizer's QAT / QAD, without the before rows (BEFORE=1 adds them; fewer rounds then) and without
+# the ZeRO-1 / lean-activation rows (SKIP replaces the default; lean activations patch Llama MLPs only). Its jobs
 # should take 5-20 s each once warm (2.70B parameters, a few hundred ms per step expected; Model
 # Optimizer's eager expert loop the slowest): estimates, not yet measured on a GPU; rounds stop at TOTAL.
 # On a CPU, to check the script end to end before spending device time (measures nothing):
 #   DEVICE=cpu TINY=1 bash benchmarks/gpu/step.sh          # MODEL=moe: the CPU-sized MoE (moe_smoke)
 # Knobs: MODEL (llama1b | moe), TOTAL (default 345 s, MODEL=moe 480 s: the whole call), STEPS (8), WARMUP (3),
-# REPEAT (3), PROFILE_STEPS (2), FORMAT (nvfp4), BEFORE (1 for llama1b, 0 for moe), STEP_EXTRA (more step.py
-# arguments, e.g. "--op-table 'QAT W4A16 (CE)'").
+# REPEAT (3), PROFILE_STEPS (2), FORMAT (nvfp4), BEFORE (1 for llama1b, 0 for moe), SKIP (our rows left out;
+# default "grad ckpt|LoRA|weight cache off", MODEL=moe adds "ZeRO-1|lean activations"), STEP_EXTRA (more
+# step.py arguments, e.g. "--op-table 'QAT W4A16 (CE)'").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -36,8 +44,8 @@ T0=$(date +%s)
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-llama1b}
 case "$MODEL" in
-    llama1b) SMOKE=smoke; TOTAL=${TOTAL:-345}; BEFORE=${BEFORE:-1} ;;
-    moe) SMOKE=moe_smoke; TOTAL=${TOTAL:-480}; BEFORE=${BEFORE:-0} ;;
+    llama1b) SMOKE=smoke; TOTAL=${TOTAL:-345}; BEFORE=${BEFORE:-1}; SKIP_DEFAULT="grad ckpt|LoRA|weight cache off" ;;
+    moe) SMOKE=moe_smoke; TOTAL=${TOTAL:-480}; BEFORE=${BEFORE:-0}; SKIP_DEFAULT="grad ckpt|LoRA|weight cache off|ZeRO-1|lean activations" ;;
     *) echo "MODEL=$MODEL; allowed: llama1b, moe"; exit 2 ;;
 esac
 [ "$TOTAL" -le 570 ] 2>/dev/null || { echo "TOTAL=$TOTAL; allowed: seconds <= 570 (one device call ends at 600 s)"; exit 2; }
@@ -83,7 +91,7 @@ BUDGET=$(( TOTAL - ($(date +%s) - T0) - 15 ))
 echo "== benchmark ($MODEL): $BUDGET s left for the rounds"
 # shellcheck disable=SC2086
 $PY benchmarks/step.py "${ARGS[@]}" --format "${FORMAT:-nvfp4}" "${BEFORE_ARG[@]}" --variants "$VARIANTS" \
-    --skip "grad ckpt|LoRA" --peers "$PEERS" --profile-steps "${PROFILE_STEPS:-2}" --budget "$BUDGET" \
+    --skip "${SKIP:-$SKIP_DEFAULT}" --peers "$PEERS" --profile-steps "${PROFILE_STEPS:-2}" --budget "$BUDGET" \
     --out "$OUT" ${STEP_EXTRA:-} 2> "$OUT/step_bench.log"
 rc=$?
 [ -f "$OUT/step.md" ] || { echo "no step.md; the log's tail:"; tail -40 "$OUT/step_bench.log"; }

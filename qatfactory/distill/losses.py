@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -454,6 +454,17 @@ def _fused_chunk(student, teacher, labels: Optional[torch.Tensor], wt: torch.Ten
     return part, g
 
 
+def _chunks_counted(tok_w: torch.Tensor, step: int) -> List[bool]:
+    """Per chunk of ``step`` tokens, whether any of its tokens counts (a chunk with none is skipped): all
+    chunks in one host read (a GPU run waits for its queue once per loss, not once per chunk)."""
+    n = tok_w.shape[0]
+    if n == 0:
+        return []
+    ends = torch.arange(step, n + step, step, device=tok_w.device).clamp_(max=n) - 1
+    seen = (tok_w != 0).cumsum(0)[ends]
+    return (torch.diff(seen, prepend=seen.new_zeros(1)) > 0).tolist()
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, tok_w, t_a, t_b, cfg):
@@ -469,10 +480,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
         step = int(cfg.chunk_tokens)
         vocab = h.shape[1] if w is None else w.shape[0]
         vc = None if cfg.vocab_chunk is None or int(cfg.vocab_chunk) >= vocab else int(cfg.vocab_chunk)
-        for s in range(0, h.shape[0], step):
+        for s, counted in zip(range(0, h.shape[0], step), _chunks_counted(tok_w, step)):
             sl = slice(s, min(s + step, h.shape[0]))
             wt = tok_w[sl]
-            if not bool((wt != 0).any()):
+            if not counted:
                 continue
             if vc is not None:
                 acc_h = torch.zeros(h[sl].shape, dtype=_acc(h), device=h.device) if need_h else None

@@ -138,6 +138,25 @@ class TrainConfig:
     # on, the optimizer state starts afresh and the LR schedule restarts with peak quant_lr (None: lr)
     quant_start: float = 0.0
     quant_lr: Optional[float] = None
+    # issue 17, the host work of a step (train/ds_step.py; the same bits either way, tests/test_step_levers.py):
+    # lean_step: DeepSpeed's bf16 ZeRO-0 step without its per-parameter overflow reads and copies, and no
+    # gradient all-reduce on one rank; ds_timers: DeepSpeed's throughput timer (a device sync at every
+    # forward and every step, for a report the trainer never prints)
+    lean_step: bool = True
+    ds_timers: bool = False
+    # bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer; needs zero_stage >= 1):
+    # grad_accum_dtype=fp32, and immediate_grad_update folds each bf16 gradient into the fp32 buffer
+    # as soon as it is computed (the bf16 gradient is then freed)
+    grad_accum_dtype: Optional[str] = None
+    immediate_grad_update: bool = False
+    # DeepSpeed's ZeRO-0 bf16/fp16 wrappers run one zero-gradient optimizer step when they are built, so
+    # AdamW's step counter starts at 1 and every bias correction is one step ahead (the first update is
+    # 0.74x AdamW's at betas 0.9/0.95); ZeRO-1/2/3 and torch's AdamW start at 0. fresh_adam clears the
+    # optimizer state after the build: ZeRO-0 then trains ZeRO-1's bits (tests/test_step_levers.py)
+    fresh_adam: bool = False
+    # less activation memory, the same bits (nn/lean_act.py): RMSNorms keep their bf16 input and the MLP
+    # its gate and up outputs, recomputing the rest in the backward (a few launches per layer)
+    lean_act: bool = False
 
 
 @dataclass
@@ -212,6 +231,18 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.zero_stage", t.zero_stage, (0, 1, 2, 3))
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    if t.grad_accum_dtype is not None:
+        _choice("train.grad_accum_dtype", t.grad_accum_dtype, ("fp32",))
+        if t.precision != "bf16" or t.zero_stage < 1:
+            raise ValueError(f"train.grad_accum_dtype=fp32 with train.precision={t.precision!r}, "
+                             f"train.zero_stage={t.zero_stage}; allowed: precision=bf16 and zero_stage >= 1 "
+                             f"(DeepSpeed's BF16_Optimizer)")
+    if t.lean_act and t.zero_stage == 3:
+        raise ValueError("train.lean_act=true with train.zero_stage=3: the recompute in the backward runs outside "
+                         "the module call, where ZeRO-3 has not gathered the norm's weight; use zero_stage <= 2")
+    if t.immediate_grad_update and t.grad_accum_dtype is None:
+        raise ValueError("train.immediate_grad_update=true needs train.grad_accum_dtype=fp32 (it folds bf16 "
+                         "gradients into the fp32 accumulator of DeepSpeed's BF16_Optimizer)")
     _choice("model.dtype", cfg.model.dtype, MODEL_DTYPES)
     _choice("export.engine", cfg.export.engine, ("vllm", "sglang", "llama_cpp"))
     for fld in ("max_steps", "micro_batch", "grad_accum", "keep_last", "log_every"):

@@ -44,9 +44,9 @@ from .. import _fsutil, assets
 from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
-from ..nn import lowbit_batch, step_cache
+from ..nn import lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
-from . import rundir
+from . import ds_step, rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
@@ -241,6 +241,12 @@ def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, An
     }
     if t.zero_stage == 3:
         d["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
+    # issue 17: DeepSpeed's throughput timer syncs the device twice a step (off unless train.ds_timers)
+    d.update(ds_step.ds_config(t))
+    if t.grad_accum_dtype is not None:
+        # bf16 weights with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (ZeRO-1 and up)
+        d["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
+        d["bf16"]["immediate_grad_update"] = bool(t.immediate_grad_update)
     if with_optimizer and t.optimizer == "adamw_fused":
         if device != "cuda":
             raise ValueError("train.optimizer='adamw_fused' needs CUDA (it JIT-builds FusedAdam); "
@@ -402,6 +408,8 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
     method.prepare(ctx)
     model = ctx.model
     quantized = cfg.quant.weight_format not in NO_QUANT
+    if t.lean_act:
+        lean_act.register(model)      # less activation memory, the same bits (nn/lean_act.py)
     if t.grad_ckpt:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -431,6 +439,11 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t, restart))
     engine, *_ = deepspeed.initialize(model=student, config=dcfg, **kw)
     step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
+    if train_now and t.lean_step:
+        # DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (same bits; ds_step.py)
+        ds_step.install(engine, world)
+    if train_now and t.fresh_adam:
+        reset_optimizer(engine)       # the first update is AdamW's step 1 (config.py: fresh_adam)
     if quantized and not t.grad_ckpt and lowbit_batch.enabled_by_env():
         # the ParetoQ grids' learnable fake quant in a few calls per forward instead of one per linear
         lowbit_batch.register(model)
