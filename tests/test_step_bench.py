@@ -182,7 +182,7 @@ def test_step_bench_runs_the_moe_table_end_to_end_on_a_cpu(tmp_path):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step.py"), "--device", "cpu", "--model", "moe_smoke",
                         "--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "0", "--repeat", "1",
-                        "--variants", "QAT W4A16 (CE)|QAD W4A16 live teacher", "--skip", "grad ckpt",
+                        "--variants", "QAT W4A16 (CE)|QAD W4A16 live teacher", "--skip", "grad ckpt|lean activations",
                         "--peers", "plain loop, fp32 masters|ModelOpt W4A16 QAT, fp32", "--profile-steps", "0",
                         "--job-timeout", "240", "--workdir", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
