@@ -6,25 +6,25 @@
 #              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier session sent
 #                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
 # Then eight back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
-# each call's carry list and size, all under the 64 MiB a call carries; as packed on 2026-12-01 (3.0 MiB of
-# working tree in every call; FlashInfer now keeps its norm module's sources, so the bundle no longer fits
-# the room of calls 1-6 and one stash call goes before the vLLM call, which starts SGLang's warm-up):
+# each call's carry list and size, all under the 64 MiB a call carries; as re-packed on 2026-12-02 with
+# SGLANG_MARGIN_KIB=1536 (3.5 MiB of working tree in every call, 1.5 MiB kept for its growth; the last
+# SGLang part rides in call 7, the vLLM call, which then starts SGLang's warm-up):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json,
-#            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            63.5 MiB
+#            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh preflight  (installs both
 #                                                 stacks' wheels and imports every vLLM dependency)   ~1 min
-#   2 carry [.gpu/smollm2.gguf.part-aa, .sglang/sglang.tar.part-01]               63.5 MiB
+#   2 carry [.gpu/smollm2.gguf.part-aa, .sglang/sglang.tar.part-01]               62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   3 carry [.gpu/smollm2.gguf.part-ab, .sglang/sglang.tar.part-02]               63.5 MiB
+#   3 carry [.gpu/smollm2.gguf.part-ab, .sglang/sglang.tar.part-02]               62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
 #                                                 students of 4 formats, QAD runs in parallel, the tiny MoE student, 6 exports)
-#   4 carry [.vllm/vllm.zip.part-aa, .sglang/sglang.tar.part-03]                  63.5 MiB
+#   4 carry [.vllm/vllm.zip.part-aa]                                              63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   5 carry [.vllm/vllm.zip.part-ab, .sglang/sglang.tar.part-04]                  63.5 MiB
+#   5 carry [.vllm/vllm.zip.part-ab]                                              63.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   6 carry [.sglang/sglang.tar.part-06, .sglang/jit]                             10.2 MiB
+#   6 carry [.sglang/sglang.tar.part-04, .sglang/jit]                             17.8 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   7 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-05]                  63.5 MiB
+#   7 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-03]                  62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
 #                                                 one vllm.LLM per export + bf16, then the report; SGLang's
 #                                                 parts are all there now, so in the background it is installed,
