@@ -209,3 +209,32 @@ def test_q4_k_kept_scale_hook_checks_its_arguments():
         F.quantize(x, scales=kw["scales"], d=kw["d"].float(), dmin=kw["dmin"])
     with pytest.raises(ValueError, match="uint8 of shape"):
         F.quantize(x, scales=kw["scales"][:2], d=kw["d"], dmin=kw["dmin"])
+
+
+def test_fused_experts_keep_their_scales_per_expert_row():
+    """Fused 3-D experts ([E, R, K], no imatrix: one row per expert row) follow the same rule; the whole
+    model trains through it (forward and backward inside the step)."""
+    from qatfactory.nn import QuantExperts
+    m = tiny("qwen3_moe", hidden=256, inter=512, dtype="float32")
+    m.float()
+    prepare(m, QuantConfig(weight_format="q4_k", kquant_refresh_every=4))
+    mod = next(x for x in m.modules() if isinstance(x, QuantExperts))
+    q = mod.gate_up_quant
+    assert q.shape3[0] == 4 and q.kq_scales.shape[:2] == q.shape3[:2]
+    x = ids()
+    kept = None
+    for step in range(3):
+        W = mod.gate_up_proj.detach().numpy().reshape(-1, 256).copy()
+        with kquant_refresh.training_step(m, step):
+            got = q(mod.gate_up_proj, None).detach().numpy().reshape(W.shape)
+            m.train()
+            m(input_ids=x, labels=x).loss.backward()
+        if step == 0:
+            kept = _engine(W, "q4_k", None)
+            _assert_bits(got, _decode(kept, "q4_k", W.shape), "experts, refresh")
+        else:
+            _assert_bits(got, _decode(_requantized_bytes("q4_k", W, kept), "q4_k", W.shape), f"experts step {step}")
+        assert mod.gate_up_proj.grad is not None
+        with torch.no_grad():
+            mod.gate_up_proj.add_(0.02 * torch.randn_like(mod.gate_up_proj))
+            mod.gate_up_proj.grad = None
