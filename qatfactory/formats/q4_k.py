@@ -47,6 +47,12 @@ column ``[K]``, or one row per expert ``[E, K]`` for x ``[E, N, K]``.
 * ``extra["d"]``, ``extra["dmin"]`` float16 ``[..., K/256]``: the super-block scales
 * ``global_scale`` None
 
+Training hook (issue 17, ``quant.kquant_refresh_every``): ``quantize(x, scales=, d=, dmin=)`` with a
+PackedTensor's ``scales``/``d``/``dmin`` skips the search and runs only the last stage above on x
+(``_element_codes``, the same function the search ends with); sub-blocks with ``d*ls == 0`` get code 0.
+``scale_kwargs(p)`` gives those keywords. The engine never quantizes this way: a trainer that keeps
+scales between searches refreshes them before anything is evaluated or exported.
+
 Oracle: libggml-python 0.20.2.post1 (``ggml_quantize_chunk`` / ``quantize_q4_K`` /
 ``dequantize_row_q4_K``) and gguf 0.19 ``gguf.quants.dequantize``; tests/formats/test_q4_k.py.
 Rows whose length is not a multiple of 256 are not Q4_K in llama-quantize: it falls back
@@ -601,9 +607,22 @@ def _quantize_chunk_t(X: torch.Tensor, Q: Optional[torch.Tensor]):
         dmin = fp16_round(m_block)
     dj = d.repeat_interleave(NSUB) * ls
     mj = dmin.repeat_interleave(NSUB) * lm
-    Lq = nearest_int(tdiv(X + mj, dj)).clamp_(0, 15).float()
-    L = torch.where(dj != 0, Lq, L)
+    L = torch.where(dj != 0, _element_codes(X, dj, mj), L)
     return L, ls, lm, d, dmin
+
+
+def _element_codes(X: torch.Tensor, dj: torch.Tensor, mj: torch.Tensor, guard: bool = False) -> torch.Tensor:
+    """The last stage of quantize_row_q4_K: each weight's code from its sub-block's stored scale and
+    min, ``clamp(nearest_int((x + dmin*lm) / (d*ls)), 0, 15)`` (float32 codes). dj = d*ls and
+    mj = dmin*lm broadcast against X (the search's [32, n] layout or rows [B, 32]: elementwise, so
+    the same bits either way). Where dj == 0 the caller decides (the search keeps its own codes).
+    ``guard`` clamps the ratio to +-1e6 first: scales given from outside (kept from an earlier search
+    while the weights moved) may put it beyond nearest_int's exact range; the engine's own scales
+    never do, and inside that range the clamp changes nothing."""
+    v = tdiv(X + mj, dj)
+    if guard:
+        v = v.clamp_(-1e6, 1e6)
+    return nearest_int(v).clamp_(0, 15).float()
 
 
 class Q4K(Format):
@@ -642,14 +661,15 @@ class Q4K(Format):
         return y.reshape(*b.shape[:-1], k).astype(f32)
 
     # ---------------------------------------------------------------- torch emulator
-    def quantize(self, x: torch.Tensor, imatrix=None, **kw) -> PackedTensor:
-        for key in ("amax", "scales"):
-            if kw.get(key) is not None:
-                raise ValueError(f"q4_k.quantize: {key}= is not supported: q4_k has no per-tensor scale and "
-                                 f"derives d/dmin/ls/lm per super-block; it takes imatrix= only")
-        unknown = set(kw) - {"amax", "scales"}
+    def quantize(self, x: torch.Tensor, imatrix=None, scales=None, d=None, dmin=None, **kw) -> PackedTensor:
+        if kw.get("amax") is not None:
+            raise ValueError("q4_k.quantize: amax= is not supported: q4_k has no per-tensor scale and "
+                             "derives d/dmin/ls/lm per super-block; it takes imatrix=, or kept scales "
+                             "(scales=, d=, dmin=)")
+        unknown = set(kw) - {"amax"}
         if unknown:
-            raise TypeError(f"q4_k.quantize: unexpected keyword(s) {sorted(unknown)}; q4_k takes imatrix=")
+            raise TypeError(f"q4_k.quantize: unexpected keyword(s) {sorted(unknown)}; q4_k takes imatrix=, "
+                            f"or scales= with d= and dmin=")
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(x)
         self.check_input(x)
@@ -659,6 +679,14 @@ class Q4K(Format):
         K = shape[-1]
         xf = x.detach().float()
         self.check_finite(self.name, xf)
+        given = [scales is not None, d is not None, dmin is not None]
+        if any(given):
+            if not all(given):
+                raise ValueError("q4_k.quantize: scales= (uint8 [..., K/32, 2]: ls, lm), d= and dmin= (fp16 "
+                                 "[..., K/256]) must be given together")
+            if imatrix is not None:
+                raise ValueError("q4_k.quantize: give either kept scales (scales=, d=, dmin=) or imatrix=, not both")
+            return self._quantize_with_scales(xf, shape, scales, d, dmin)
         qw = None
         if imatrix is not None:
             im = imatrix if isinstance(imatrix, torch.Tensor) else torch.as_tensor(np.asarray(imatrix))
@@ -690,6 +718,45 @@ class Q4K(Format):
             global_scale=None,
             extra={"d": d.half().reshape(*lead, K // QK_K), "dmin": dmin.half().reshape(*lead, K // QK_K)},
         )
+
+    def _quantize_with_scales(self, xf: torch.Tensor, shape, scales, d, dmin) -> PackedTensor:
+        """Codes of xf under given (kept) sub-block scales and mins: the emulator's last stage
+        (_element_codes) without the search. Sub-blocks whose d*ls is 0 get code 0 (their value is
+        -dmin*lm whatever the code)."""
+        K = shape[-1]
+        lead = shape[:-1]
+        sc = torch.as_tensor(scales, device=xf.device)
+        if sc.dtype != torch.uint8 or tuple(sc.shape) != tuple(lead) + (K // SUB, 2):
+            raise ValueError(f"q4_k.quantize: scales= must be uint8 of shape {tuple(lead) + (K // SUB, 2)} "
+                             f"((ls, lm) per sub-block), got {sc.dtype} {tuple(sc.shape)}")
+        if bool((sc > 63).any()):
+            raise ValueError("q4_k.quantize: scales= holds values above 63; ls and lm are 6-bit")
+        dd = []
+        for name, v in (("d", d), ("dmin", dmin)):
+            t = torch.as_tensor(v, device=xf.device)
+            if t.dtype != torch.float16 or tuple(t.shape) != tuple(lead) + (K // QK_K,):
+                raise ValueError(f"q4_k.quantize: {name}= must be float16 of shape {tuple(lead) + (K // QK_K,)}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"q4_k.quantize: {name}= contains NaN or Inf")
+            dd.append(t)
+        B = xf.numel() // SUB
+        ls = sc[..., 0].reshape(B).float()
+        lm = sc[..., 1].reshape(B).float()
+        dj = dd[0].float().reshape(-1).repeat_interleave(NSUB) * ls
+        mj = dd[1].float().reshape(-1).repeat_interleave(NSUB) * lm
+        X = xf.reshape(B, SUB)
+        nz = (dj != 0).unsqueeze(1)
+        L = _element_codes(X, dj.unsqueeze(1), mj.unsqueeze(1), guard=True).mul_(nz)
+        return PackedTensor(format=self.name, shape=shape, codes=L.to(torch.uint8).reshape(shape),
+                            scales=sc.clone(), global_scale=None,
+                            extra={"d": dd[0].clone(), "dmin": dd[1].clone()})
+
+    def searches_scales(self, imatrix: bool) -> bool:
+        return True
+
+    def scale_kwargs(self, p: PackedTensor):
+        return {"scales": p.scales, "d": p.extra["d"], "dmin": p.extra["dmin"]}
 
     def dequantize(self, p: PackedTensor) -> torch.Tensor:
         shape = tuple(p.shape)

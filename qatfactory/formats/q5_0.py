@@ -208,6 +208,12 @@ class Q5_0(CheckedInput, Format):
         # the clamp only guards the int cast for supplied scales; -1 / 32 still read as clipped
         return torch.trunc(xb * id_.unsqueeze(1) + 16.5).clamp_(-1, 32).to(torch.int32)
 
+    def searches_scales(self, imatrix: bool) -> bool:
+        return imatrix       # make_qx_quants with an imatrix; without one d = max / -16, no search
+
+    def scale_kwargs(self, p: PackedTensor):
+        return {"scales": p.scales}
+
     def dequantize(self, p: PackedTensor) -> torch.Tensor:
         q = p.codes.reshape(-1, QK).float() - 16
         return (q * p.scales.reshape(-1, 1).float()).reshape(p.shape)

@@ -447,6 +447,12 @@ class Q6_K(CheckedInput, Format):
         q = p.codes.reshape(nsb, 16, SUB).float() - 32
         return (ds.unsqueeze(2) * q).reshape(p.shape)
 
+    def searches_scales(self, imatrix: bool) -> bool:
+        return True          # make_qx_quants per 16-weight sub-block, with or without an imatrix
+
+    def scale_kwargs(self, p: PackedTensor):
+        return {"scales": p.scales, "d": p.extra["d"]}
+
     def clip_mask(self, x: torch.Tensor, p: PackedTensor) -> torch.Tensor:
         x = as_float32(x, self.name)
         nsb = p.codes.numel() // QK_K

@@ -246,6 +246,16 @@ class Format:
         raise NotImplementedError(f"{self.name}: block scales cannot be shifted (scale-only adapters need a format "
                                   f"with one scale byte per block: the NVFP4 / MXFP4 families)")
 
+    # -- scales kept between searches (issue 17: quant.kquant_refresh_every, nn/kquant_refresh.py) --------
+    def searches_scales(self, imatrix: bool) -> bool:
+        """Whether quantize() finds its block scales by a search (with / without an importance matrix)
+        that ``quantize(x, **scale_kwargs(p))`` can skip, quantizing x's elements under p's scales."""
+        return False
+
+    def scale_kwargs(self, p: PackedTensor) -> Dict[str, torch.Tensor]:
+        """The quantize() keywords that give back p's block scales (see searches_scales)."""
+        raise NotImplementedError(f"{self.name}: no scale search to skip")
+
     def fake_quantize(self, x: torch.Tensor, ste: str = "identity", **kw) -> torch.Tensor:
         """dequantize(quantize(x)) in x.dtype, with a straight-through gradient.
 
@@ -253,8 +263,14 @@ class Format:
         saturated x (outside the block's representable range), 1 elsewhere."""
         if ste not in ("identity", "clipped"):
             raise ValueError(f"fake_quantize: ste={ste!r}; allowed: 'identity', 'clipped'")
+        return self.fake_quantize_packed(x, self.quantize(x.detach(), **kw), ste)
+
+    def fake_quantize_packed(self, x: torch.Tensor, p: PackedTensor, ste: str = "identity") -> torch.Tensor:
+        """fake_quantize's output for x given p = quantize(x.detach(), ...): dequantize(p) in x.dtype
+        with the straight-through gradient (``clipped``: masked by clip_mask(x, p))."""
+        if ste not in ("identity", "clipped"):
+            raise ValueError(f"fake_quantize: ste={ste!r}; allowed: 'identity', 'clipped'")
         xd = x.detach()
-        p = self.quantize(xd, **kw)
         q = self.dequantize(p).to(x.dtype)
         mask = torch.empty(0, device=x.device)
         if ste == "clipped":

@@ -27,6 +27,7 @@ from ..formats import codecs as C
 from ..formats import get_format, list_formats
 from ..formats.scale_search import GRID_CODECS as _GRID_CODECS  # the one-byte block-scale grids
 from ..formats.scale_search import scale_grid
+from . import kquant_refresh
 
 E2M1_QMAX = 6.0
 
@@ -124,6 +125,9 @@ class _LSQ(torch.autograd.Function):
 class WeightQuantizer(nn.Module):
     """Fake-quantizes a weight viewed as [G, R, K] (G per-tensor scale groups)."""
 
+    # > 1: the k-quant scale search runs every this many optimizer steps (nn/kquant_refresh.py)
+    refresh_every = 1
+
     def __init__(self, fmt_name: str, strategy: str, shape3, ste: str = "identity", device=None):
         super().__init__()
         self.fmt_name = fmt_name
@@ -199,6 +203,10 @@ class WeightQuantizer(nn.Module):
             grid = scale_grid(fmt)
             gs = 1.0 / math.sqrt(fmt.spec.block_size * E2M1_QMAX)
             return _LSQ.apply(w3, self.scale, self.gscale, amax, fmt, grid, gs)
+        if self.refresh_every > 1:
+            y = kquant_refresh.forward(self, w3, self._imatrix())
+            if y is not None:
+                return y
         # the fused CUDA kernel on GPU, the format's torch emulator elsewhere (bit-identical)
         return kernels.fake_quantize(w3, fmt.name, ste=self.ste, **quant_kwargs(
             fmt, amax=amax, scales=self.scale_bytes(), imatrix=self._imatrix()))

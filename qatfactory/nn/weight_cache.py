@@ -221,7 +221,8 @@ class Site:
             return self._bk[1]
         bk = None
         mode = batching()
-        if q.strategy == "dynamic" and mode != "never" and q._imatrix() is None:
+        # kept k-quant scales (q.refresh_every > 1) are per quantizer: its own forward, never a batch
+        if q.strategy == "dynamic" and mode != "never" and q._imatrix() is None and q.refresh_every == 1:
             fmt = q.fmt
             kw = quant_kwargs(fmt, amax=torch.ones(1) if has_global_scale(fmt) else None)
             if mode == "always" or kernels.why_not(p.detach(), fmt.name, **kw) is None:

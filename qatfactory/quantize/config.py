@@ -110,6 +110,11 @@ class QuantConfig:
       head is then the same quantized tensor. Only for llama.cpp (GGUF): vLLM/SGLang keep
       embeddings in the model dtype. The ``q4_k`` preset sets it (as llama-quantize does); set it
       False to keep the embeddings (and a tied head) wide.
+    * ``kquant_refresh_every`` (issue 17): K >= 1. 1 (default): every fake quant of a llama.cpp k-quant
+      runs its full scale search. K > 1: inside the trainer's optimizer steps the search (Q4_K, Q6_K, and
+      Q5_0 with an importance matrix) runs on steps 0, K, 2K, ... and the steps between only re-round the
+      codes of the current weights under the kept scales; every evaluation, ``convert`` and export run the
+      full search (nn/kquant_refresh.py).
     """
 
     weight_format: str = "nvfp4"
@@ -132,6 +137,8 @@ class QuantConfig:
     kv_scale_strategy: str = "frozen"
     kv_calib_method: str = "max"
     kv_attention: str = "auto"
+    # issue 17: the k-quant scale search every K optimizer steps (nn/kquant_refresh.py); 1 = every forward
+    kquant_refresh_every: int = 1
 
     def __post_init__(self):
         # Hydra/OmegaConf may hand us dicts for the nested dataclasses
@@ -152,6 +159,10 @@ class QuantConfig:
                 not 0.0 <= float(self.min_coverage) <= 1.0:
             raise ValueError(f"QuantConfig.min_coverage={self.min_coverage!r}; allowed: a number in 0..1 (the "
                              f"fraction of the Linear-like parameters asked for that must be quantized)")
+        if isinstance(self.kquant_refresh_every, bool) or not isinstance(self.kquant_refresh_every, int) or \
+                self.kquant_refresh_every < 1:
+            raise ValueError(f"QuantConfig.kquant_refresh_every={self.kquant_refresh_every!r}; allowed: an int >= 1 "
+                             f"(1 = the k-quant scale search in every forward; K = every K optimizer steps)")
         if not isinstance(self.lora.rank, int) or self.lora.rank < 0:
             raise ValueError(f"QuantConfig.lora.rank={self.lora.rank!r}; allowed: an int >= 0 (0 = LoRA off)")
         if self.lora.rank and not self.lora.alpha > 0:

@@ -44,7 +44,7 @@ from .. import _fsutil, assets
 from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
-from ..nn import lean_act, lowbit_batch, step_cache
+from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
 from . import ds_step, rundir
 from .config import NO_QUANT, RunConfig, to_dict, validate
@@ -342,6 +342,10 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     cfg = validate(cfg)
     method = get_method(cfg.method.name)
     if method.own_loop is not None:
+        if cfg.quant.kquant_refresh_every != 1:
+            raise ValueError(f"quant.kquant_refresh_every={cfg.quant.kquant_refresh_every}: method={cfg.method.name} "
+                             f"runs a loop of its own, which does not keep k-quant scales between searches; "
+                             f"allowed: 1 for this method")
         return method.own_loop(cfg, eval_only)
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
     with step_cache.enabled():
@@ -501,20 +505,23 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         ts = time.time()
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         lr_now = float(engine.get_lr()[0])
-        for _ in range(t.grad_accum):
-            b = rank_batch(train_s, order, position, t.micro_batch, rank, world)
-            position += t.micro_batch * world
-            loss = method.train_step(ctx, b)
-            # the chunked loss took its gradients in forward: the teacher (and its gathered
-            # lm_head under ZeRO-3) is no longer needed for backward
-            engine.backward(loss)
-            # the weights change only at the accumulation boundary: the other micro-batches reuse the
-            # step's fake-quantized weights (nn/weight_cache.py; torch optimizers also signal it)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            if boundary:
-                step_cache.weights_changed()
-            loss_sum += loss.detach().double()      # stays on the device: one host sync per step
+        # quant.kquant_refresh_every > 1: the k-quant scale search runs on steps 0, K, 2K, ... only;
+        # evaluations and exports (outside this block) always run it (nn/kquant_refresh.py)
+        with kquant_refresh.training_step(model, ctx.step):
+            for _ in range(t.grad_accum):
+                b = rank_batch(train_s, order, position, t.micro_batch, rank, world)
+                position += t.micro_batch * world
+                loss = method.train_step(ctx, b)
+                # the chunked loss took its gradients in forward: the teacher (and its gathered
+                # lm_head under ZeRO-3) is no longer needed for backward
+                engine.backward(loss)
+                # the weights change only at the accumulation boundary: the other micro-batches reuse the
+                # step's fake-quantized weights (nn/weight_cache.py; torch optimizers also signal it)
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                if boundary:
+                    step_cache.weights_changed()
+                loss_sum += loss.detach().double()      # stays on the device: one host sync per step
         ctx.step += 1
         step = ctx.step
         if world > 1:
