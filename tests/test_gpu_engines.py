@@ -6,6 +6,9 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import engines  # noqa: E402
@@ -54,3 +57,14 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     assert "| mxfp4-w4a4-ct |" in sg_md and "| nvfp4-w4a16-modelopt |" not in sg_md
     exp = Path(d["cells"]["nvfp4-w4a16-modelopt"]["cell"]["export_dir"])
     assert (exp / "hf_quant_config.json").is_file() and (exp / "model.safetensors").is_file()
+
+
+def test_top1_agree_counts_ties_and_catches_a_real_disagreement():
+    import torch
+    # position 0: the student ties tokens 1 and 2 and the engine ranks 2 first (agree); position 1: the engine
+    # ties 0 and 3 and lists 3 first while the student's argmax is 0 (agree); position 2: a clear disagreement
+    p = torch.log_softmax(torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 1.0, 1.0, 2.9], [0.0, 1.0, 3.0, 0.0]]), -1)
+    q_ix = np.array([[2, 1, 3], [3, 0, 1], [1, 2, 0]])
+    q_lp = np.array([[-1.0, -1.0, -2.0], [-0.5, -0.5, -3.0], [-0.2, -0.3, -4.0]])
+    assert engines.top1_agree(p, q_ix, q_lp) == pytest.approx(2 / 3)
+    assert engines.top1_agree(p[:2], q_ix[:2], q_lp[:2]) == 1.0

@@ -503,6 +503,22 @@ def _scored(rec: Optional[Dict[str, Any]]) -> bool:
     return bool(rec and rec.get("loaded") and rec.get("greedy") is not None and not rec.get("loaded_but_failed"))
 
 
+def top1_agree(p, q_ix, q_lp) -> float:
+    """Fraction of positions where the student's and the engine's most likely token agree, ties counted as
+    agreement on either side: a tiny random model gives exactly equal top log-probabilities at some positions,
+    and argmax and an engine's top-k break such a tie differently (seen in the CPU smoke run, 2026-12-03)."""
+    import numpy as np
+    import torch
+    ix = torch.as_tensor(np.asarray(q_ix)).long()
+    lp = np.asarray(q_lp)
+    student_max = p.max(-1).values
+    engine_top_is_student_max = (p.gather(-1, ix[..., :1]).squeeze(-1) == student_max).numpy()
+    tied = lp == lp[..., :1]                                   # the engine's tokens tied with its own top-1
+    student_top = p.argmax(-1).numpy()[..., None]
+    student_top_in_engine_ties = ((np.asarray(q_ix) == student_top) & tied).any(-1)
+    return float((engine_top_is_student_max | student_top_in_engine_ties).mean())
+
+
 def _score(p, pq, q_ix, q_lp, eng: str) -> Dict[str, Any]:
     """The student's log-probabilities `p` against an engine's top-K (`q_ix`, `q_lp`), and the same
     format's PTQ student `pq` (None: no baseline) on that engine's partition and in full."""
@@ -511,7 +527,7 @@ def _score(p, pq, q_ix, q_lp, eng: str) -> Dict[str, Any]:
     diff = (p.gather(-1, torch.as_tensor(q_ix[..., :8]).long()) - torch.as_tensor(q_lp[..., :8])).abs()
     rr = {f"kl_vs_{eng}": float(kl.mean()), "p_outside_topk": float(p_rest.mean()),
           "max_abs_logprob_diff_top8": float(diff.max()), "mean_abs_logprob_diff_top8": float(diff.mean()),
-          "top1_agree": float((p.argmax(-1).numpy() == q_ix[..., 0]).mean())}
+          "top1_agree": top1_agree(p, q_ix, q_lp)}
     if pq is not None:
         kl_ptq, _ = coarse_kl(p, q_ix, pq.gather(-1, torch.as_tensor(q_ix).long()).numpy())
         rr["kl_vs_ptq"] = float(kl_ptq.mean())
