@@ -317,7 +317,10 @@ def summarize(order, runs) -> list:
             out.append({"kind": kind, "variant": name, key: last.get(key, "?")})
             continue
         ms = [r["ms_per_step"] for r in ok]
-        mem = [r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None]
+        # the job's own peak: what was still allocated when it started (another job's leftover, reported in
+        # the notes) is not its memory; measured 2026-12-03: Model Optimizer's jobs leave 9.97 GiB behind in
+        # the peer worker, which made every later peer row 10 GiB heavier than the peer is
+        mem = [r["peak_mem_gib"] - (r.get("mem_before_gib") or 0.0) for r in ok if r.get("peak_mem_gib") is not None]
         tps = [r["tokens_per_s"] for r in ok if "tokens_per_s" in r]
         out.append({"kind": kind, "variant": name, "ms_per_step": statistics.median(ms), "min_ms": min(ms),
                     "max_ms": max(ms), "rounds": len(ms), "note": ok[0].get("note"),
@@ -421,13 +424,14 @@ def levers(rows) -> str:
     return "\n".join(L) if len(L) > 2 else ""
 
 
-def report(order, runs, notes, args) -> str:
+def report(order, runs, notes, args, versions_line=None) -> str:
     import step_workers
     order = [o for o in order if o[0] == "ours"] + [o for o in order if o[0] != "ours"]
     rows = summarize(order, runs)
     L = [f"step time, {SHAPE_NAMES[args.model]}, batch {args.batch} x {args.seq}, bf16, {args.steps} steps "
          f"({args.warmup} warm-up excluded), format {args.format}, device {args.device}, up to {args.repeat} "
-         f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds){versions()}", "",
+         f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds)"
+         f"{versions() if versions_line is None else versions_line}", "",
          table(rows), "",
          "issue 17's levers (each before row turns off what its column says):",
          "", levers(rows) or "(no before/after pairs ran)", "",
@@ -440,6 +444,23 @@ def report(order, runs, notes, args) -> str:
     if notes:
         L += ["", "notes:"] + [f"- {n}" for n in notes]
     return "\n".join(L), rows
+
+
+def remake_report(path: Path, out_dir) -> int:
+    """step.md again from a step.json (its per-round records), e.g. after a change to how rows are summarized."""
+    d = json.loads(path.read_text())
+    a = argparse.Namespace(**d["args"])
+    order = [(r["kind"], r["variant"]) for r in d["rows"]]
+    runs = {r["variant"]: (r.get("runs") or [{k: r[k] for k in ("error", "not_run") if k in r}]) for r in d["rows"]}
+    notes = [n for n in d.get("notes", []) if not n.startswith("memory still allocated")]
+    md, rows = report(order, runs, notes, a, versions_line=d.get("versions") or "")
+    if out_dir is None:
+        print(md)
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "step.md").write_text(md + "\n")
+    (out_dir / "step.json").write_text(json.dumps(dict(d, rows=rows, notes=notes), indent=1, default=str))
+    return 0
 
 
 def main(argv=None):
@@ -476,7 +497,11 @@ def main(argv=None):
                     help="leave out the peers' rows (plain loops, Model Optimizer; benchmarks/step_peers.py)")
     ap.add_argument("--loss", action="store_true", help="only the chunked-vs-naive loss memory table")
     ap.add_argument("--loss-smoke", action="store_true", help="with --loss: CPU-sized shapes (checks the script)")
+    ap.add_argument("--report", default=None, metavar="STEP_JSON",
+                    help="re-make step.md (to --out, else stdout) from an earlier run's step.json; runs nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        return remake_report(Path(args.report), Path(args.out) if args.out else None)
     if args.loss:
         return loss_memory(args)
     # DeepSpeed's op builder cannot parse "9.0a" (the H200 image's default); FusedAdam needs a plain arch

@@ -49,6 +49,26 @@ def test_table_and_goals_from_rows():
     assert "| ModelOpt W4A4 QAT, fp32 masters | failed |" in t
 
 
+def test_peak_is_the_jobs_own_not_an_earlier_jobs_leftover(tmp_path):
+    # a worker that still held 9.97 GiB from an earlier job when this one started: the row's peak is what this
+    # job added (measured on the H200 2026-12-03: Model Optimizer's jobs left 9.97 GiB in the peer worker)
+    runs = {"plain loop, fp32 masters": [
+        {"variant": "plain loop, fp32 masters", "ms_per_step": 8.0, "peak_mem_gib": 28.6, "mem_before_gib": 0.0, "round": 0},
+        {"variant": "plain loop, fp32 masters", "ms_per_step": 8.2, "peak_mem_gib": 38.5, "mem_before_gib": 9.97, "round": 1}]}
+    rows = step.summarize([("peer", "plain loop, fp32 masters")], runs)
+    assert abs(rows[0]["peak_mem_gib"] - 28.6) < 1e-9
+    # --report re-makes the table from a step.json and keeps the leftover in its notes
+    import argparse
+    import json
+    args = argparse.Namespace(model="llama1b", batch=4, seq=2048, steps=8, warmup=3, format="nvfp4", device="cuda",
+                              repeat=2, profile_steps=0)
+    (tmp_path / "step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "notes": [], "versions": "; x"}))
+    assert step.main(["--report", str(tmp_path / "step.json"), "--out", str(tmp_path / "o")]) == 0
+    md = (tmp_path / "o" / "step.md").read_text()
+    assert "| plain loop, fp32 masters | 8.1 |" in md and "| 28.6 |" in md and "38.5" not in md.split("notes:")[0]
+    assert "(round 1): 9.97 GiB" in md
+
+
 def test_profile_summary_takes_the_union_of_gpu_intervals():
     import step_profile
     ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000},
