@@ -87,6 +87,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
                    help="internal: run only the checks against vLLM's ops (under vLLM's Python path) into --out")
     p.add_argument("--kv-attention", default="auto", dest="kv_attention",
                    help="quant.kv_attention of the fp8 arm: auto (= fa3), fa3, triton or none (cache write only)")
+    p.add_argument("--no-vllm-bf16-control", dest="vllm_bf16_control", action="store_false",
+                   help="skip serving the fp8 export a second time per backend with vLLM's cache in bf16")
     p.add_argument("--vllm-backends", default=",".join(BACKENDS), dest="vllm_backends",
                    help=f"vLLM attention backends to serve the fp8 export with, from {list(BACKENDS)}")
     p.add_argument("--topk", type=int, default=128)
@@ -285,13 +287,20 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
         env = dict(os.environ, PYTHONPATH=a.vllm_site)
         cell: Dict[str, Any] = {"trained_with": r.get("attention"), "backends": {}, "kl": {}}
         served = {}
-        for b in a.vllm_backends:
-            res_json = w / f"vllm-{b}.json"
+        # each backend twice: with the fp8 cache the export declares, and (the control, --vllm-bf16-control)
+        # the same export and tokens with vLLM's cache kept in bf16: what is left there is not the KV cache's
+        runs = [(b, b, None) for b in a.vllm_backends]
+        if a.vllm_bf16_control:
+            runs += [(f"{b}, bf16 cache", b, "bfloat16") for b in a.vllm_backends]
+        for b, backend, cache_dtype in runs:
+            res_json = w / f"vllm-{_slug(b)}.json"
             cmd = [sys.executable, str(GPU / "engines.py"), "vllm-one", "--model", r["export_dir"], "--tokens",
-                   str(w / "tokens.json"), "--out", str(res_json), "--topk", str(a.topk), "--attention-backend", b]
+                   str(w / "tokens.json"), "--out", str(res_json), "--topk", str(a.topk), "--attention-backend", backend]
+            if cache_dtype:
+                cmd += ["--kv-cache-dtype", cache_dtype]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             log = p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-40000:]
-            (w / f"vllm-{b}.log").write_text(log)
+            (w / f"vllm-{_slug(b)}.log").write_text(log)
             vr = json.loads(res_json.read_text()) if res_json.exists() else {"loaded": False}
             used = re.findall(r"Using (\w+) attention backend", log)
             cell["backends"][b] = {"loaded": vr.get("loaded"), "mode": vr.get("mode"), "vllm": vr.get("vllm"),
@@ -327,6 +336,11 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
             torch.cuda.empty_cache()
         out["cells"][str(seq)] = cell
     return out
+
+
+def _slug(name: str) -> str:
+    """A file-name form of a served run's label ("FLASH_ATTN, bf16 cache" -> "FLASH_ATTN-bf16-cache")."""
+    return "-".join("".join(c if c.isalnum() or c == "_" else " " for c in name).split())
 
 
 # ============================================================================ report

@@ -62,3 +62,15 @@ def test_kv_cache_benchmark_smoke(tmp_path, one_thread, monkeypatch):
     md = (tmp_path / "kv_cache.md").read_text()
     assert md.count("| 32 |") == 3 and "SMOKE" in md and "not run" in md
     assert (tmp_path / "kv_cache.png").stat().st_size > 1000
+
+
+def test_served_run_labels_make_file_names_and_the_bf16_control_is_on_by_default():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kv_cache
+    finally:
+        sys.path.pop(0)
+    assert kv_cache._slug("FLASH_ATTN, bf16 cache") == "FLASH_ATTN-bf16-cache"
+    assert kv_cache._slug("TRITON_ATTN") == "TRITON_ATTN"
+    assert kv_cache.parse(["--out", "o"]).vllm_bf16_control is True
+    assert kv_cache.parse(["--out", "o", "--no-vllm-bf16-control"]).vllm_bf16_control is False

@@ -307,9 +307,12 @@ def _describe_kernels(model) -> List[str]:
     return sorted(out)
 
 
-def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attention_backend: Optional[str] = None) -> None:
+def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attention_backend: Optional[str] = None,
+             kv_cache_dtype: Optional[str] = None) -> None:
     """Runs inside vLLM's Python path, one model per process. ``attention_backend``: vLLM's
-    ``--attention-backend`` (EngineArgs.attention_backend, e.g. FLASH_ATTN / TRITON_ATTN); None = vLLM's choice."""
+    ``--attention-backend`` (EngineArgs.attention_backend, e.g. FLASH_ATTN / TRITON_ATTN); None = vLLM's choice.
+    ``kv_cache_dtype``: vLLM's ``kv_cache_dtype`` (e.g. "bfloat16" to serve an fp8-declaring export with an
+    unquantized cache, a control); None = "auto" (resolved from the checkpoint)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the model lives in this process
     # vLLM's sampler imports FlashInfer at init unless told not to (its cuda requirements install it; the
     # carried copy leaves it out): greedy decoding and prompt log-probs need no FlashInfer sampling
@@ -321,7 +324,7 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attenti
     toks = json.loads(Path(tokens_json).read_text())
     res: Dict[str, Any] = {"model_dir": model_dir, "vllm": vllm.__version__, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-                           "attention_backend": attention_backend}
+                           "attention_backend": attention_backend, "kv_cache_dtype_asked": kv_cache_dtype}
     t = time.time()
     llm, err = None, []
     import traceback
@@ -333,6 +336,8 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attenti
             kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         else:
             kw["enforce_eager"] = True
+        if kv_cache_dtype:
+            kw["kv_cache_dtype"] = kv_cache_dtype
         if attention_backend:
             kw["attention_backend"] = attention_backend     # every mode runs the backend asked for
         elif mode == "eager-triton-attn":
@@ -730,6 +735,8 @@ def parse(argv):
     p.add_argument("--model"), p.add_argument("--tokens")
     p.add_argument("--attention-backend", default=None, dest="attention_backend",
                    help="vllm-one: vLLM's attention backend (FLASH_ATTN, TRITON_ATTN, ...); default: vLLM's choice")
+    p.add_argument("--kv-cache-dtype", default=None, dest="kv_cache_dtype",
+                   help="vllm-one: vLLM's kv_cache_dtype (default: auto, from the checkpoint)")
     a = p.parse_args(argv)
     names = {x.name for x in CELLS}
     for opt in ("cells", "sglang_cells"):
@@ -745,7 +752,7 @@ def parse(argv):
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.phase == "vllm-one":
-        vllm_one(a.model, a.tokens, a.out, a.topk, a.attention_backend)
+        vllm_one(a.model, a.tokens, a.out, a.topk, a.attention_backend, a.kv_cache_dtype)
     elif a.phase in ("sglang", "sglang-one", "sglang-warm"):
         sys.path.insert(0, str(HERE))
         import engines_sglang as S      # here: SGLang's phases run in its own Python path
