@@ -26,7 +26,7 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     # the smoke sets QATFACTORY_CACHE in this process (benchmarks/gpu/engines.py); restored after the test,
     # or the tests after it look for llama.cpp's runtime in this test's temporary cache
     _keep_env(monkeypatch, "QATFACTORY_CACHE")
-    cells = "nvfp4-w4a16-modelopt,mxfp4-w4a4-ct,moe-nvfp4-w4a16-ct"
+    cells = "nvfp4-w4a16-modelopt,mxfp4-w4a4-ct,moe-nvfp4-w4a16-ct,llama768-nvfp4-w4a4-modelopt"
     rep = engines.main(["smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--cells", cells,
                         "--steps", "2", "--seq", "64", "--micro", "2", "--eval-seqs", "2", "--prompts", "2",
                         "--prompt-len", "8", "--calib", "2", "--topk", "16", "--sglang-cells", "mxfp4-w4a4-ct"])
@@ -55,6 +55,13 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     assert "sglang" not in d["cells"]["nvfp4-w4a16-modelopt"] and "sglang_bf16" in d
     sg_md = md.split("SGLang stand-in")[1]
     assert "| mxfp4-w4a4-ct |" in sg_md and "| nvfp4-w4a16-modelopt |" not in sg_md
+    # the random Llama whose linears fit SGLang's Marlin tiles: trained and PTQ'd like SmolLM2, its own bf16 as
+    # the throughput reference (200 tok/s in the stand-in, SmolLM2's 100)
+    ll = d["cells"]["llama768-nvfp4-w4a4-modelopt"]
+    assert "kl_vs_ptq" in ll["student"] and "kl_vs_ptq" in ll["student weights only"]
+    assert ll["throughput_vs_bf16"] == {"1": 0.5} and ll["engine_runs_trained_numbers"] in (True, False)
+    assert json.loads((tmp_path / "w" / "model-tiny_llama" / "config.json").read_text())["hidden_size"] == 256     # the smoke's size
+    assert not engines.marlin_shape_fits(576, 960) and engines.marlin_shape_fits(768, 1152)
     exp = Path(d["cells"]["nvfp4-w4a16-modelopt"]["cell"]["export_dir"])
     assert (exp / "hf_quant_config.json").is_file() and (exp / "model.safetensors").is_file()
 

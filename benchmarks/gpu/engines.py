@@ -54,7 +54,9 @@ GEN_TOKENS = 64
 THROUGHPUT_TOKENS = 256
 # what SGLang loads after bf16: the ModelOpt NVFP4 export (quant_algo NVFP4, FP4 Marlin on Hopper);
 # engines_sglang.py says why the other cells are expected to be refused by SGLang 0.5.17
-DEFAULT_SGLANG_CELLS = ("nvfp4-w4a4-modelopt",)
+DEFAULT_SGLANG_CELLS = ("nvfp4-w4a4-modelopt", "llama768-nvfp4-w4a4-modelopt")
+# the models the QAD / PTQ students are trained from (tiny_qwen3_moe is quantized untrained)
+TRAINED_MODELS = ("smollm2", "tiny_llama")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Cell:
     name: str
     fmt: str                 # recipes/format/<fmt>.yaml
     flavour: str             # modelopt | compressed-tensors
-    model: str = "smollm2"   # smollm2 | tiny_qwen3_moe
+    model: str = "smollm2"   # smollm2 | tiny_llama | tiny_qwen3_moe
 
 
 CELLS = [
@@ -72,6 +74,11 @@ CELLS = [
     Cell("mxfp4-w4a16-ct", "mxfp4_w4a16", "compressed-tensors"),
     Cell("mxfp4-w4a4-ct", "mxfp4_w4a4", "compressed-tensors"),
     Cell("moe-nvfp4-w4a16-ct", "nvfp4_w4a16", "compressed-tensors", "tiny_qwen3_moe"),
+    # SGLang 0.5.17 runs NVFP4 on Hopper through its Marlin kernel, which has no tile for SmolLM2-135M's
+    # hidden size: K = 576 and the fused q/k/v N = 960 fit none of its (thread_k, thread_n) = (128, 128),
+    # (64, 128), (128, 64) (gemm/marlin/gptq_marlin.cuh; the H200 run of 2026-12-03 stopped there). This cell
+    # is a random Llama whose every linear fits them, trained (QAD) and PTQ'd like the SmolLM2 cells
+    Cell("llama768-nvfp4-w4a4-modelopt", "nvfp4_w4a4", "modelopt", "tiny_llama"),
 ]
 
 
@@ -169,6 +176,44 @@ def ptq_student(prep, fmt: str, out: Path, a) -> None:
     Q.save_student(m.cpu(), str(out))
 
 
+def marlin_shape_fits(k: int, n: int) -> bool:
+    """Whether SGLang 0.5.17's FP4 Marlin GEMM has a tile for a K x N linear: one of its (thread_k, thread_n)
+    configurations must divide both (gemm/marlin/gptq_marlin.cuh small_batch/large_batch_thread_configs)."""
+    return any(k % tk == 0 and n % tn == 0 for tk, tn in ((128, 128), (64, 128), (128, 64), (64, 256)))
+
+
+def tiny_llama_model(prep, out: Path, smoke: bool = False) -> str:
+    """A random Llama with SmolLM2's tokenizer, head size and KV heads (so SGLang's KV-store and RoPE JIT
+    modules are the SmolLM2 ones) and a hidden size whose every linear, fused as SGLang fuses them (q/k/v,
+    gate/up), fits the Marlin tiles: hidden 768 (12 x 64 heads, 3 KV heads), MLP 2048, 4 layers, tied head.
+    ``smoke``: a CPU-sized one of the same kind (hidden 256, 4 heads, 1 KV head, MLP 512, 2 layers)."""
+    import torch
+    import transformers as T
+    if (out / "config.json").exists():
+        return str(out)
+    tok = T.AutoTokenizer.from_pretrained(prep["model_dir"])
+    torch.manual_seed(0)
+    size = (dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+            if smoke else dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
+                               num_key_value_heads=3))
+    cfg = T.LlamaConfig(vocab_size=len(tok), **size, head_dim=64, max_position_embeddings=2048,
+                        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    m = T.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.05)          # decisive enough that top-1 and KL mean something
+    h, qkv, mlp = cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.intermediate_size
+    shapes = [(h, qkv), (h, h), (h, 2 * mlp), (mlp, h)]
+    assert all(marlin_shape_fits(k, n) for k, n in shapes), shapes
+    tmp = out.with_name(out.name + ".tmp")
+    m.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return str(out)
+
+
 def tiny_moe_student(prep, out: Path, a) -> None:
     """A random Qwen3-MoE (4 experts, top-2) with SmolLM2's tokenizer, NVFP4 W4A16: the MoE loading
     path (per-expert tensors, routers left in bf16); no training, decisive random weights."""
@@ -203,6 +248,23 @@ def export_cell(student_dir: Path, cell: Cell, out: Path, source_dir: Optional[s
             "bytes": sum(f.stat().st_size for f in Path(r.path).rglob("*") if f.is_file())}
 
 
+def bf16_name(model: str) -> str:
+    """The engine record of a model's unquantized run (the throughput reference of its cells)."""
+    return "bf16" if model == "smollm2" else f"bf16-{model}"
+
+
+def bf16_jobs(st: Dict[str, Any], cells) -> List[Any]:
+    """(name, model dir) of the bf16 runs the given cells need: SmolLM2's always, then each other trained model's."""
+    models = st.get("models") or {}
+    extra = sorted({st["cells"][c]["model"] for c in cells if st["cells"][c].get("model", "smollm2") in models} - {"smollm2"})
+    return [("bf16", st["prep"]["model_dir"])] + [(bf16_name(m), models[m]) for m in extra]
+
+
+def _pair_key(model: str, fmt: str) -> str:
+    """Run and student folder names of a (model, format) pair: SmolLM2's are the format alone."""
+    return fmt if model == "smollm2" else f"{model}-{fmt}"
+
+
 def phase_students(a) -> Dict[str, Any]:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -217,40 +279,48 @@ def phase_students(a) -> Dict[str, Any]:
     # process's environment (by a launcher, or an earlier in-process run) must not be inherited
     for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
-    fmts = sorted({c.fmt for c in CELLS if c.model == "smollm2" and c.name in a.cells})
+    # (model, format) pairs trained: SmolLM2's keep their old names (qad-<fmt>, ptq-<fmt>), others get the model's
+    pairs = sorted({(c.model, c.fmt) for c in CELLS if c.model in TRAINED_MODELS and c.name in a.cells})
+    preps = {"smollm2": prep}
+    if any(m == "tiny_llama" for m, _ in pairs):
+        preps["tiny_llama"] = dict(prep, model_dir=tiny_llama_model(prep, work / "model-tiny_llama", a.smoke))
     # the QAD runs are small for an H200: all of them at once, one process each, while the PTQ
     # students are calibrated here
     procs = {}
-    for fmt in fmts:
-        run_dir = work / f"qad-{fmt}"
+    for model, fmt in pairs:
+        key = _pair_key(model, fmt)
+        run_dir = work / f"qad-{key}"
         if (run_dir / "student" / "qatfactory_quant.json").exists():
             continue
-        cmd = [sys.executable, "-m", "qatfactory.train"] + _train_overrides(a, prep, fmt, run_dir)
-        say(f"QAD {fmt}: {a.steps} steps")
-        log = open(work / f"qad-{fmt}.log", "w")
-        procs[fmt] = (subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT), log,
+        cmd = [sys.executable, "-m", "qatfactory.train"] + _train_overrides(a, preps[model], fmt, run_dir)
+        say(f"QAD {key}: {a.steps} steps")
+        log = open(work / f"qad-{key}.log", "w")
+        procs[key] = (subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT), log,
                       time.time())
         if a.smoke:            # two CPU cores: one at a time
-            procs[fmt][0].wait()
-    for fmt in fmts:
+            procs[key][0].wait()
+    for model, fmt in pairs:
+        key = _pair_key(model, fmt)
         f: Dict[str, Any] = {}
-        ptq_dir = work / f"ptq-{fmt}"
+        ptq_dir = work / f"ptq-{key}"
         if not (ptq_dir / "qatfactory_quant.json").exists():
             t = time.time()
-            ptq_student(prep, fmt, ptq_dir, a)
+            ptq_student(preps[model], fmt, ptq_dir, a)
             f["ptq_s"] = time.time() - t
-        state["formats"][fmt] = f
-    for fmt, (p, log, t) in procs.items():
+        state["formats"][key] = f
+    for key, (p, log, t) in procs.items():
         rc = p.wait()
         log.close()
-        state["formats"][fmt]["qad_s"] = time.time() - t
+        state["formats"][key]["qad_s"] = time.time() - t
         if rc != 0:
-            tail = (work / f"qad-{fmt}.log").read_text().strip().splitlines()[-5:]
-            raise RuntimeError(f"QAD {fmt} failed (exit {rc}): {tail}")
-    for fmt in fmts:
-        summ = json.loads((work / f"qad-{fmt}" / "summary.json").read_text())
-        state["formats"][fmt]["train"] = {k: summ.get(k) for k in ("steps", "tokens", "time_s", "eval_first",
+            tail = (work / f"qad-{key}.log").read_text().strip().splitlines()[-5:]
+            raise RuntimeError(f"QAD {key} failed (exit {rc}): {tail}")
+    for model, fmt in pairs:
+        key = _pair_key(model, fmt)
+        summ = json.loads((work / f"qad-{key}" / "summary.json").read_text())
+        state["formats"][key]["train"] = {k: summ.get(k) for k in ("steps", "tokens", "time_s", "eval_first",
                                                                    "eval_last")}
+    state["models"] = {m: p["model_dir"] for m, p in preps.items()}
     moe_dir = work / "student-tiny_qwen3_moe"
     for cell in CELLS:
         if cell.name not in a.cells:
@@ -260,7 +330,7 @@ def phase_students(a) -> Dict[str, Any]:
                 tiny_moe_student(prep, moe_dir, a)
             sdir, src = moe_dir, str(moe_dir)
         else:
-            sdir, src = work / f"qad-{cell.fmt}" / "student", prep["model_dir"]
+            sdir, src = work / f"qad-{_pair_key(cell.model, cell.fmt)}" / "student", preps[cell.model]["model_dir"]
         edir = work / cell.name / "export"
         if edir.exists():
             import shutil
@@ -268,7 +338,7 @@ def phase_students(a) -> Dict[str, Any]:
         (work / cell.name).mkdir(exist_ok=True)
         rec = export_cell(sdir, cell, edir, src)
         rec.update(asdict(cell), student_dir=str(sdir),
-                   ptq_dir=str(work / f"ptq-{cell.fmt}") if cell.model == "smollm2" else None)
+                   ptq_dir=str(work / f"ptq-{_pair_key(cell.model, cell.fmt)}") if cell.model in TRAINED_MODELS else None)
         state["cells"][cell.name] = rec
         say(f"exported {cell.name}: {rec['bytes'] / 2**20:.1f} MiB")
     state["seconds"] = time.time() - t0
@@ -404,7 +474,7 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attenti
 def phase_vllm(a) -> None:
     work = Path(a.work)
     st = json.loads((work / "students.json").read_text())
-    jobs = [("bf16", st["prep"]["model_dir"])] + [(n, c["export_dir"]) for n, c in st["cells"].items()]
+    jobs = bf16_jobs(st, st["cells"]) + [(n, c["export_dir"]) for n, c in st["cells"].items()]
     for name, d in jobs:
         out = work / name / "vllm.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -564,6 +634,9 @@ def phase_report(a, fake: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None)
     toks = json.loads((work / "tokens.json").read_text())
     dev = "cpu" if a.smoke else "cuda"
     bfs = {eng: _engine_record(work, "bf16", eng, fake) or {} for eng in ENGINES}
+    bf_of = {}          # model -> engine -> its bf16 record (None: not served, so no throughput ratio)
+    for m in {c.get("model", "smollm2") for c in st["cells"].values()}:
+        bf_of[m] = bfs if m == "smollm2" else {eng: _engine_record(work, bf16_name(m), eng, fake) for eng in ENGINES}
     rows: Dict[str, Any] = {}
     for name, c in st["cells"].items():
         recs = {eng: _engine_record(work, name, eng, fake) for eng in ENGINES}
@@ -602,7 +675,7 @@ def phase_report(a, fake: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None)
                 torch.cuda.empty_cache()
         for eng in todo:
             rt = r if eng == "vllm" else r["sglang"]
-            _verdict_fields(rt, recs[eng], bfs[eng], eng)
+            _verdict_fields(rt, recs[eng], bf_of[c.get("model", "smollm2")][eng], eng)
             s = rt["student"]
             say(f"{name}: KL(student||{eng}) {s[f'kl_vs_{eng}']:.5f} vs PTQ {s.get('kl_vs_ptq', float('nan')):.5f}, "
                 f"greedy {s[f'greedy_vs_{eng}']}, tok/s x{rt['throughput_vs_bf16']}")
@@ -694,6 +767,8 @@ def phase_smoke(a) -> Dict[str, Any]:
     toks = json.loads((Path(a.work) / "tokens.json").read_text())
     bf = {"loaded": True, "mode": "stand-in", "throughput": {"1": {"tokens_per_s": 100.0}}}
     fake: Dict[str, Dict[str, Any]] = {"vllm": {"bf16": dict(bf)}, "sglang": {"bf16": dict(bf, sglang="stand-in")}}
+    for name, _ in bf16_jobs(st, list(st["cells"]))[1:]:      # each other model's bf16, at another speed
+        fake["vllm"][name] = dict(bf, throughput={"1": {"tokens_per_s": 200.0}})
     for name, c in st["cells"].items():
         m = _student_model(c["student_dir"], "cpu")
         p = _logprobs(m, toks["heldout"], "cpu")

@@ -230,7 +230,8 @@ def phase_sglang(a, engines_py: str) -> None:
     missing = [c for c in a.sglang_cells if c not in st["cells"]]
     if missing:
         say(f"no export for {missing} in students.json (run the students phase with them)")
-    jobs = [("bf16", st["prep"]["model_dir"])] + [(n, st["cells"][n]["export_dir"]) for n in cells]
+    import engines
+    jobs = engines.bf16_jobs(st, cells) + [(n, st["cells"][n]["export_dir"]) for n in cells]
     waited = False
     for name, d in jobs:
         out = work / name / "sglang.json"
