@@ -148,13 +148,14 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
              "to the student 0.0017 (PTQ 0.13), top-1 0.979, greedy tokens equal 0.506, tok/s 0.95x / 0.71x bf16; "
              "NVFP4 W4A4: served weight-only (KL 0.0016 to the student's weight-only forward, 0.17 to its W4A4 "
              "forward), 1.19x / 0.75x; with an FP8 KV cache see the KV-cache section of benchmarks/RESULTS.md",
-    (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) loaded the weights of the bf16 model and of "
-             "the NVFP4 W4A4 export (ModelOptModelLoader, modelopt_fp4 -> Marlin on SM90) and stopped at the first "
-             "forward: sgl_kernel 0.4.5's rmsnorm JIT-builds FlashInfer's norm kernel, whose sources the slimmed "
-             "staging had left out (benchmarks/RESULTS.md). Now staged in 44.7 MiB with FlashInfer's norm sources "
-             "and its JIT modules built ahead (benchmarks/gpu/stage.sh pack-sglang), not yet re-run. Read from its "
-             "source: its ModelOptFp4Config accepts quant_algo NVFP4 (W4A4, Marlin weight-only below SM100) and "
-             "refuses W4A16_NVFP4 unless MIXED_PRECISION",
+    (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) ran the bf16 SmolLM2 (860 / 43,831 tok/s at "
+             "batch 1 / 64, CUDA graphs, H200, 2026-12-03) and loaded the NVFP4 W4A4 export (ModelOptModelLoader, "
+             "modelopt_fp4 -> Marlin on SM90), then stopped in its first CUDA-graph capture: SGLang's FP4 Marlin "
+             "has no tile for SmolLM2-135M's fused q/k/v (K = 576, N = 960; its tiles need K % 128 or N % 128 "
+             "== 0), so no SmolLM2-135M NVFP4 checkpoint runs in SGLang on Hopper, ours or another's; vLLM's "
+             "Marlin runs it. A random Llama whose linears fit the tiles (hidden 768) is the next SGLang cell "
+             "(benchmarks/gpu/engines.py). Read from its source: its ModelOptFp4Config accepts quant_algo NVFP4 "
+             "(W4A4, Marlin weight-only below SM100) and refuses W4A16_NVFP4 unless MIXED_PRECISION",
     (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }

@@ -73,3 +73,16 @@ def test_engine_run_numbers_match_the_results_file():
         assert f"{c['throughput_vs_bf16']['1']:.2f}x / {c['throughput_vs_bf16']['64']:.2f}x" in txt, cell
     m, txt = d["moe-nvfp4-w4a16-ct"], ENGINE_RUNS[("vllm", "compressed-tensors")]
     assert f"{m['student']['kl_vs_vllm']:.5f}" in txt and f"{m['student']['top1_agree']:.3f}" in txt
+
+
+def test_sglang_column_quotes_its_run():
+    """SGLang's ModelOpt entry quotes the 2026-12-03 run: its bf16 speeds, and the NVFP4 export not loaded."""
+    import json
+    from qatfactory.exporters.matrix import ENGINE_RUNS
+    d = json.loads((ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "engines.json").read_text())
+    txt = ENGINE_RUNS[("sglang", "modelopt")]
+    tp = d["sglang_bf16"]["throughput"]
+    assert f"{tp['1']['tokens_per_s']:.0f} / {tp['64']['tokens_per_s']:,.0f} tok/s" in txt
+    assert d["cells"]["nvfp4-w4a4-modelopt"]["sglang"]["record"]["loaded"] is False and txt.startswith("not yet")
+    log = (ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "sglang_nvfp4_w4a4_modelopt.log").read_text()
+    assert "Invalid thread config" in log and "MKN = [64, 576, 960]" in log
