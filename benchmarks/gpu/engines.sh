@@ -37,8 +37,12 @@
 #                                                 that warm-up, one sglang.Engine for bf16 and one for the
 #                                                 ModelOpt NVFP4 export, then the report with both engines)
 # Once the vLLM cells are measured (they were on 2026-12-01), call 7 may run `engines.sh kv` instead of `vllm`
-# (issue 22's FP8-attention check; it installs vLLM and starts SGLang's warm-up the same way), and call 3
-# `engines.sh students --cells nvfp4-w4a4-modelopt` builds only SGLang's cell (~1 min instead of ~3).
+# (issue 22's FP8-attention check; it installs vLLM and starts SGLang's warm-up the same way; ~6 min on
+# 2026-12-03, ~2 min more since each backend is also served with a bf16 cache as the control), and call 3
+# `engines.sh students --cells nvfp4-w4a4-modelopt,llama768-nvfp4-w4a4-modelopt` builds only SGLang's cells
+# (~1.5 min instead of ~3: SmolLM2's, which SGLang's Hopper Marlin cannot run, and the random Llama-768 that it
+# can). The stash calls 4-5 have room for a job of their own (2026-12-03: step.sh in call 4, 254 s; Scale-QLoRA
+# in call 5, `methods.sh run`, 251 s), the machine stays held while one runs.
 # About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min).
 # If call 8 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
 # the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
