@@ -69,6 +69,14 @@ def test_peak_is_the_jobs_own_not_an_earlier_jobs_leftover(tmp_path):
     assert "(round 1): 9.97 GiB" in md
 
 
+def test_goal_against_eager_experts_says_so():
+    runs = {"QAT W4A16 (CE)": [{"ms_per_step": 10.0, "peak_mem_gib": 2.0, "note": "experts grouped_mm"}],
+            "ModelOpt W4A16 QAT, fp32 masters": [{"ms_per_step": 80.0, "peak_mem_gib": 3.0,
+                                                  "note": "linears 32/32, experts eager (forced by ModelOpt)"}]}
+    rows = step.summarize([("ours", "QAT W4A16 (CE)"), ("peer", "ModelOpt W4A16 QAT, fp32 masters")], runs)
+    assert "| 0.12 | <= 1.00 | yes (the peer's experts ran eager) |" in step.table(rows)
+
+
 def test_profile_summary_takes_the_union_of_gpu_intervals():
     import step_profile
     ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000},
