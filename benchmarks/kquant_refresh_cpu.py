@@ -46,7 +46,7 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _setup(threads: int, steps=None):
+def _setup(threads: int, steps=None, seed=None):
     """(settings, model dir, tokenizer-side data record, held-out evaluator, train/eval samples, dtype): the
     demo's, built the way run_demo builds them."""
     import torch
@@ -57,6 +57,8 @@ def _setup(threads: int, steps=None):
     from qatfactory.train.data import DataConfig, load_data
     torch.set_num_threads(threads)
     s = D.Settings(targets=["q4_k"])
+    if seed is not None:
+        s.seed = int(seed)              # another data split and order (--seed); the demo's otherwise
     if steps:
         s.steps = int(steps)            # a smoke run (--steps); the demo's 24 otherwise
     comp = cpu.compute_dtype("cpu", None)
@@ -92,7 +94,7 @@ def _sha(p: Path) -> str:
     return h.hexdigest()
 
 
-def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None) -> dict:
+def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=None) -> dict:
     """One run: arm 'ptq' or 'K<n>'."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,7 +105,7 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None) -> dict:
     from qatfactory.train.config import validate
     from qatfactory.train.engine import run as train
     t_all = time.time()
-    s, model_dir, data, held, train_s, teacher_eval, comp = _setup(threads, steps)
+    s, model_dir, data, held, train_s, teacher_eval, comp = _setup(threads, steps, seed)
     tg = D.TARGETS["q4_k"]
     rec = {"arm": arm, "threads": torch.get_num_threads(), "dtype": s.dtype, "load_start": os.getloadavg()[0]}
     if arm == "ptq":
@@ -144,23 +146,26 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None) -> dict:
     return rec
 
 
-def _run_worker(arm: str, threads: int, out: Path, scorer: dict, steps=None) -> dict:
+def _run_worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", arm, "--threads", str(threads),
-           "--out", str(out), "--scorer", json.dumps(scorer)] + (["--steps", str(steps)] if steps else [])
+           "--out", str(out), "--scorer", json.dumps(scorer)] + (["--steps", str(steps)] if steps else []) \
+        + (["--seed", str(seed)] if seed is not None else [])
     r = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SystemExit(f"worker {arm} failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _make_scorer(out: Path, threads: int) -> dict:
+def _make_scorer(out: Path, threads: int, seed=None) -> dict:
     from transformers import AutoTokenizer
 
     from qatfactory import assets
     from qatfactory import demo as D
     from qatfactory import llama_compare as LC
     s = D.Settings(targets=["q4_k"])
+    if seed is not None:
+        s.seed = int(seed)
     model_dir = assets.prepare_model_dir("smollm2")
     data = D.prepare_data(AutoTokenizer.from_pretrained(str(model_dir)), s, assets.cache_dir())
     texts = [json.loads(line)["text"] for line in Path(data["eval"]).read_text().splitlines() if line.strip()]
@@ -223,12 +228,14 @@ def main(argv=None) -> None:
     ap.add_argument("--no-ptq", action="store_true", help="skip the PTQ row")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's own KL / perplexity")
     ap.add_argument("--steps", type=int, default=None, help="QAD steps (default: the demo's 24; fewer for a smoke run)")
+    ap.add_argument("--seed", type=int, default=None, help="the data split's and training's seed (default: the demo's)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--scorer", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out or f"runs/kquant-refresh-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.threads, out, json.loads(args.scorer), args.steps), default=str))
+        print(json.dumps(worker(args.worker, args.threads, out, json.loads(args.scorer), args.steps, args.seed),
+                         default=str))
         return
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads
@@ -241,16 +248,17 @@ def main(argv=None) -> None:
     t0 = time.time()
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')}, {_cpu_name()}, {os.cpu_count()} CPUs (shared with other work), "
           f"load average {os.getloadavg()[0]:.2f}; {threads} intra-op thread(s) ({why})", flush=True)
-    scorer = {} if args.no_llama_cpp else _make_scorer(out, max(1, os.cpu_count() or 1))
+    scorer = {} if args.no_llama_cpp else _make_scorer(out, max(1, os.cpu_count() or 1), args.seed)
     res: dict = {"versions": _versions(), "cpu": _cpu_name(), "threads": threads, "threads_why": why, "steps": args.steps,
+                 "seed": args.seed,
                  "date": time.strftime("%Y-%m-%d %H:%M %Z"), "scorer": scorer}
     if not args.no_ptq:
-        res["ptq"] = _run_worker("ptq", threads, out, scorer, args.steps)
+        res["ptq"] = _run_worker("ptq", threads, out, scorer, args.steps, args.seed)
         print(f"#   PTQ: torch KL {res['ptq']['torch']['kl']:.4f}, gate {res['ptq']['gate']}", flush=True)
     for rep in range(args.repeat):
         order = ks if rep % 2 == 0 else list(reversed(ks))
         for k in order:
-            r = _run_worker(f"K{k}", threads, out, scorer, args.steps)
+            r = _run_worker(f"K{k}", threads, out, scorer, args.steps, args.seed)
             res.setdefault(f"K{k}", []).append(r)
             print(f"#   rep {rep + 1}/{args.repeat} K={k}: {statistics.mean(r['step_ms']) / 1000:.2f} s/step, "
                   f"trainer {r['train_s']:.0f} s, torch KL {r['torch']['kl']:.4f}, "
