@@ -151,8 +151,8 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
     (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) ran the bf16 SmolLM2 (860 / 43,831 tok/s at "
              "batch 1 / 64, CUDA graphs, H200, 2026-12-03) and loaded the NVFP4 W4A4 export (ModelOptModelLoader, "
              "modelopt_fp4 -> Marlin on SM90), then stopped in its first CUDA-graph capture: SGLang's FP4 Marlin "
-             "has no tile for SmolLM2-135M's fused q/k/v (K = 576, N = 960; its tiles need K % 128 or N % 128 "
-             "== 0), so no SmolLM2-135M NVFP4 checkpoint runs in SGLang on Hopper, ours or another's; vLLM's "
+             "has no tile for SmolLM2-135M's fused q/k/v (K = 576, N = 960; a tile needs K % 128 == 0 with N % 64 "
+             "== 0, or K % 64 == 0 with N % 128 == 0), so no SmolLM2-135M NVFP4 checkpoint runs in SGLang on Hopper, ours or another's; vLLM's "
              "Marlin runs it. A random Llama whose linears fit the tiles (hidden 768) is the next SGLang cell "
              "(benchmarks/gpu/engines.py). Read from its source: its ModelOptFp4Config accepts quant_algo NVFP4 "
              "(W4A4, Marlin weight-only below SM100) and refuses W4A16_NVFP4 unless MIXED_PRECISION",

@@ -30,6 +30,11 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
           "up_proj": "gate_up_proj"}
 
 
+def marlin_fits(k: int, n: int) -> bool:
+    """Whether one of the Marlin tiles divides a K x N linear (as SGLang fuses it)."""
+    return any(k % tk == 0 and n % tn == 0 for tk, tn in MARLIN_TILES)
+
+
 def marlin_misfits(converted: ConvertedModel) -> List[Tuple[str, int, int]]:
     """(fused module, K, N) of every NVFP4 dense linear, fused as SGLang fuses it, that no Marlin tile fits."""
     groups: Dict[str, List[Tuple[int, int]]] = defaultdict(list)
@@ -42,7 +47,7 @@ def marlin_misfits(converted: ConvertedModel) -> List[Tuple[str, int, int]]:
     out = []
     for g, parts in sorted(groups.items()):
         k, n_out = parts[0][0], sum(n for _, n in parts)
-        if not any(k % tk == 0 and n_out % tn == 0 for tk, tn in MARLIN_TILES):
+        if not marlin_fits(k, n_out):
             out.append((g, k, n_out))
     return out
 

@@ -254,6 +254,7 @@ def test_sglang_export_warns_when_hoppers_marlin_has_no_tile():
     assert sg.marlin_misfits(model(576, 576, 192, 1536)) == [
         ("model.layers.0.self_attn.o_proj", 576, 576), ("model.layers.0.self_attn.qkv_proj", 576, 960)]
     assert sg.marlin_misfits(model(768, 768, 192, 2048)) == []
+    assert not sg.marlin_fits(576, 960) and sg.marlin_fits(768, 1152) and sg.marlin_fits(1536, 576)
     # the exporter's check says so (a warning: the checkpoint is valid), and the tiny students, whose shapes fit,
     # export without it
     import warnings

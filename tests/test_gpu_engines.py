@@ -61,7 +61,6 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     assert "kl_vs_ptq" in ll["student"] and "kl_vs_ptq" in ll["student weights only"]
     assert ll["throughput_vs_bf16"] == {"1": 0.5} and ll["engine_runs_trained_numbers"] in (True, False)
     assert json.loads((tmp_path / "w" / "model-tiny_llama" / "config.json").read_text())["hidden_size"] == 256     # the smoke's size
-    assert not engines.marlin_shape_fits(576, 960) and engines.marlin_shape_fits(768, 1152)
     exp = Path(d["cells"]["nvfp4-w4a16-modelopt"]["cell"]["export_dir"])
     assert (exp / "hf_quant_config.json").is_file() and (exp / "model.safetensors").is_file()
 

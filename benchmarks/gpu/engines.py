@@ -176,12 +176,6 @@ def ptq_student(prep, fmt: str, out: Path, a) -> None:
     Q.save_student(m.cpu(), str(out))
 
 
-def marlin_shape_fits(k: int, n: int) -> bool:
-    """Whether SGLang 0.5.17's FP4 Marlin GEMM has a tile for a K x N linear: one of its (thread_k, thread_n)
-    configurations must divide both (gemm/marlin/gptq_marlin.cuh small_batch/large_batch_thread_configs)."""
-    return any(k % tk == 0 and n % tn == 0 for tk, tn in ((128, 128), (64, 128), (128, 64), (64, 256)))
-
-
 def tiny_llama_model(prep, out: Path, smoke: bool = False) -> str:
     """A random Llama with SmolLM2's tokenizer, head size and KV heads (so SGLang's KV-store and RoPE JIT
     modules are the SmolLM2 ones) and a hidden size whose every linear, fused as SGLang fuses them (q/k/v,
@@ -206,7 +200,8 @@ def tiny_llama_model(prep, out: Path, smoke: bool = False) -> str:
                 p.normal_(0, 0.05)          # decisive enough that top-1 and KL mean something
     h, qkv, mlp = cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.intermediate_size
     shapes = [(h, qkv), (h, h), (h, 2 * mlp), (mlp, h)]
-    assert all(marlin_shape_fits(k, n) for k, n in shapes), shapes
+    from qatfactory.exporters.sglang import marlin_fits      # the exporter's own rule, which warns on a misfit
+    assert all(marlin_fits(k, n) for k, n in shapes), shapes
     tmp = out.with_name(out.name + ".tmp")
     m.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
