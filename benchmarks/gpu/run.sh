@@ -5,14 +5,14 @@
 #
 # 1. installs the carried wheels (.whl/, git-ignored; see benchmarks/RESULTS.md for the list)
 # 2. pytest -m cuda over tests/            -> $OUT/pytest_cuda.log
-# 3. benchmarks/kernels.py                 -> $OUT/kernels.md, kernels.json, bench_kernels.log
+# 3. benchmarks/kernel_speed.py             -> $OUT/kernels.md, kernels.json, bench_kernels.log
 # 4. benchmarks/step.py, benchmarks/export.py when they exist -> $OUT/bench_<name>.log
 # 5. stage `pipeline` (not in the default STAGES): benchmarks/gpu/pipeline.sh run, both GPUs, ~6 min
 #    -> $OUT/pipeline.json, pipeline.md, pipeline_launches.log, pipeline_curves.png, pipeline.log
 #    (carry .gpu/ with the SmolLM2 GGUF parts made by `bash benchmarks/gpu/pipeline.sh pack`)
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
-# TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernels.py,
+# TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernel_speed.py,
 # e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --op-table W4A16"; the whole issue-17 table: benchmarks/gpu/step.sh), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
 # is limited to 600 s, so the defaults leave room for the machine's start), T_PIPE (stage pipeline's timeout,
 # default 360; the script's own budget is T_PIPE - 20 so it reports before the kill), PIPE_ARGS (for pipeline.py,
@@ -58,7 +58,7 @@ for stage in $STAGES; do
                 2>&1 | tee "$OUT/pytest_cuda.log"
             r=${PIPESTATUS[0]}; [ "$r" -ne 0 ] && rc=$r ;;
         kernels)
-            timeout "$T_BENCH" python3 benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.log" ;;
+            timeout "$T_BENCH" python3 benchmarks/kernel_speed.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.log" ;;
         step|export)
             if [ -f "benchmarks/$stage.py" ]; then
                 args=""; [ "$stage" = step ] && args="--budget $(( T_BENCH - 30 )) ${STEP_ARGS:-}"

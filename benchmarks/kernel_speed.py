@@ -1,6 +1,6 @@
 """Fake-quant kernel bandwidth on the GPU, side by side with a device copy and the peers.
 
-    python benchmarks/kernels.py [--out DIR] [--quick]
+    python benchmarks/kernel_speed.py [--out DIR] [--quick]
 
 Effective bandwidth = (bytes read + bytes written) / median time (triton.testing
 do_bench_cudagraph: GPU time; do_bench eager time, with the Python launch, is listed too).
