@@ -89,7 +89,7 @@ def test_lean_step_trains_deepspeeds_bits(tmp_path, monkeypatch, over):
 
 def test_zero0_adam_starts_one_step_ahead_and_fresh_adam_clears_it(tmp_path, monkeypatch):
     """DeepSpeed's FP16_Optimizer runs a zero-gradient FusedAdam step when it is built: the counter starts
-    at 1. train.fresh_adam clears it; the run then differs from the default from the first update on."""
+    at 1. train.fresh_adam (the default) clears it; with it off the run differs from the first update on."""
     import deepspeed
     steps = []
     init = deepspeed.initialize
@@ -99,8 +99,8 @@ def test_zero0_adam_starts_one_step_ahead_and_fresh_adam_clears_it(tmp_path, mon
         steps.append([st.get("step") for st in out[0].optimizer.optimizer.state.values()])
         return out
     monkeypatch.setattr(deepspeed, "initialize", spy)
-    w0, m0, l0, _ = _run(tmp_path, monkeypatch, "default", "train.max_steps=2")
-    w1, m1, l1, _ = _run(tmp_path, monkeypatch, "fresh", "train.max_steps=2", "train.fresh_adam=true")
+    w0, m0, l0, _ = _run(tmp_path, monkeypatch, "deepspeeds", "train.max_steps=2", "train.fresh_adam=false")
+    w1, m1, l1, _ = _run(tmp_path, monkeypatch, "default", "train.max_steps=2")
     assert steps == [[1], [1]]          # both built the same way; fresh_adam clears it after the build
     assert l0[0] == l1[0] and l0[1] != l1[1] and not torch.equal(m0, m1)
 

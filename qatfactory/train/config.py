@@ -151,9 +151,11 @@ class TrainConfig:
     immediate_grad_update: bool = False
     # DeepSpeed's ZeRO-0 bf16/fp16 wrappers run one zero-gradient optimizer step when they are built, so
     # AdamW's step counter starts at 1 and every bias correction is one step ahead (the first update is
-    # 0.74x AdamW's at betas 0.9/0.95); ZeRO-1/2/3 and torch's AdamW start at 0. fresh_adam clears the
-    # optimizer state after the build: ZeRO-0 then trains ZeRO-1's bits (tests/test_step_levers.py)
-    fresh_adam: bool = False
+    # 0.74x AdamW's at betas 0.9/0.95); ZeRO-1/2/3 and torch's AdamW start at 0. fresh_adam (default) clears
+    # the optimizer state after the build when the build stepped it (only those wrappers do): ZeRO-0 then
+    # trains ZeRO-1's bits (tests/test_step_levers.py), so a recipe trains the same under every stage;
+    # false keeps DeepSpeed's own ZeRO-0 start
+    fresh_adam: bool = True
     # less activation memory, the same bits (nn/lean_act.py): RMSNorms keep their bf16 input and the MLP
     # its gate and up outputs, recomputing the rest in the backward (a few launches per layer)
     lean_act: bool = False

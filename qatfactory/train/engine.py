@@ -256,6 +256,27 @@ def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, An
     return d
 
 
+def _base_optimizer(engine):
+    base = engine.optimizer
+    while base is not None and not isinstance(base, torch.optim.Optimizer) \
+            and getattr(base, "optimizer", None) is not None:
+        base = base.optimizer
+    return base if isinstance(base, torch.optim.Optimizer) else None
+
+
+def _optimizer_stepped(engine) -> bool:
+    """Whether the optimizer has already taken a step before any training step (DeepSpeed's ZeRO-0
+    bf16/fp16 wrappers take one with zero gradients when they are built; ZeRO-1/2/3 do not)."""
+    base = _base_optimizer(engine)
+    if base is None:
+        return False
+    for st in base.state.values():
+        step = st.get("step") if isinstance(st, dict) else None
+        if step is not None and float(step) > 0:
+            return True
+    return False
+
+
 def reset_optimizer(engine) -> None:
     """The optimizer's fp32 masters re-read from the module (after something wrote the weights,
     e.g. a calibration) and its state cleared: the next step is a fresh AdamW's first."""
@@ -263,10 +284,8 @@ def reset_optimizer(engine) -> None:
     if opt is not None:
         if hasattr(opt, "refresh_fp32_params"):      # DeepSpeed's ZeRO-1/2 and bf16 wrappers
             opt.refresh_fp32_params()
-        base = opt
-        while not isinstance(base, torch.optim.Optimizer) and getattr(base, "optimizer", None) is not None:
-            base = base.optimizer
-        if isinstance(base, torch.optim.Optimizer):
+        base = _base_optimizer(engine)
+        if base is not None:
             base.state.clear()
     step_cache.weights_changed()
 
@@ -446,7 +465,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
     if train_now and t.lean_step:
         # DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (same bits; ds_step.py)
         ds_step.install(engine, world)
-    if train_now and t.fresh_adam:
+    if train_now and t.fresh_adam and _optimizer_stepped(engine):
         reset_optimizer(engine)       # the first update is AdamW's step 1 (config.py: fresh_adam)
     if quantized and not t.grad_ckpt and lowbit_batch.enabled_by_env():
         # the ParetoQ grids' learnable fake quant in a few calls per forward instead of one per linear
