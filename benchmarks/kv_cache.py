@@ -315,10 +315,17 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
             say(f"vllm_serve seq {seq}: {b} loaded={vr.get('loaded')} backend in log {cell['backends'][b]['backend_in_log']}")
         if served:
             ids = torch.tensor(toks["heldout"])
-            m = Q.load_student(r["student_dir"], dtype=torch.bfloat16).cuda().eval()
-            variants = [(f"student ({att} emulation)", att) for att in BACKENDS.values()] + [
-                ("student (cache-only emulation)", "none"), ("student (bf16 KV)", None)]
-            for label, att in variants:
+            # the last variant is the same student in fp32 with bf16 K/V: its KL is what bf16 arithmetic
+            # alone (ours or vLLM's) leaves at this length, the floor the others are read against
+            variants = [(f"student ({att} emulation)", att, torch.bfloat16) for att in BACKENDS.values()] + [
+                ("student (cache-only emulation)", "none", torch.bfloat16), ("student (bf16 KV)", None, torch.bfloat16),
+                ("student (bf16 KV, fp32 compute)", None, torch.float32)]
+            m, m_dtype = None, None
+            for label, att, dtype in variants:
+                if m_dtype != dtype:
+                    del m
+                    torch.cuda.empty_cache()
+                    m, m_dtype = Q.load_student(r["student_dir"], dtype=dtype).cuda().eval(), dtype
                 if att is None:
                     KV.detach(m)
                 else:
@@ -329,12 +336,30 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
                     kl, rest = engines.coarse_kl(lp, ix, zlp)
                     cell["kl"].setdefault(b, {})[label] = {
                         "kl": float(kl.mean()), "p_outside_topk": float(rest.mean()),
-                        "top1_agree": float((lp.argmax(-1) == ix[..., 0]).float().mean())}
-                    say(f"vllm_serve seq {seq}: KL({label} || vLLM {b}) {cell['kl'][b][label]['kl']:.5f}")
+                        "top1_agree": float((lp.argmax(-1) == ix[..., 0]).float().mean()),
+                        "kl_by_position": kl_by_position(kl)}
+                    say(f"vllm_serve seq {seq}: KL({label} || vLLM {b}) {cell['kl'][b][label]['kl']:.5f} "
+                        f"by position {cell['kl'][b][label]['kl_by_position']}")
                 del lp
             del m
             torch.cuda.empty_cache()
         out["cells"][str(seq)] = cell
+    return out
+
+
+POSITION_EDGES = (0, 128, 512, 1024, 2048, 4096, 8192)
+
+
+def kl_by_position(kl, edges=POSITION_EDGES) -> Dict[str, float]:
+    """Mean KL per bucket of positions ([sequences, positions] -> {"0-127": ..., "128-511": ...}): a gap
+    that grows with the position points at position-dependent arithmetic (RoPE, long-row softmax), one
+    that is flat at the weights or the cache."""
+    n = kl.shape[-1]
+    out: Dict[str, float] = {}
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        if lo >= n:
+            break
+        out[f"{lo}-{min(hi, n) - 1}"] = float(kl[..., lo:min(hi, n)].mean())
     return out
 
 
@@ -371,6 +396,14 @@ def markdown(rep: Dict[str, Any]) -> str:
               "|---|" + "---|" * len(bs)]
         for label in next(iter(cell["kl"].values())):
             L.append(f"| {label} | " + " | ".join(_f(cell["kl"][b][label]["kl"]) for b in bs) + " |")
+        # the same KL by position bucket, one row per (vLLM run, student forward)
+        rows = [(b, label, v["kl_by_position"]) for b in bs for label, v in cell["kl"][b].items()
+                if v.get("kl_by_position")]
+        if rows:
+            buckets = list(rows[0][2])
+            L += ["", f"By position (seq {seq}):", "", "| vLLM run | student's forward | " + " | ".join(buckets) + " |",
+                  "|---|---|" + "---|" * len(buckets)]
+            L += [f"| {b} | {label} | " + " | ".join(_f(by.get(k)) for k in buckets) + " |" for b, label, by in rows]
     L += ["", "Engine checks:", ""]
     for k, v in rep["engine_checks"].items():
         L.append(f"* {k}: {json.dumps(v)}")

@@ -74,3 +74,25 @@ def test_served_run_labels_make_file_names_and_the_bf16_control_is_on_by_default
     assert kv_cache._slug("TRITON_ATTN") == "TRITON_ATTN"
     assert kv_cache.parse(["--out", "o"]).vllm_bf16_control is True
     assert kv_cache.parse(["--out", "o", "--no-vllm-bf16-control"]).vllm_bf16_control is False
+
+
+def test_kl_by_position_buckets_and_the_served_table_shows_them():
+    import torch
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kv_cache
+    finally:
+        sys.path.pop(0)
+    kl = torch.zeros(2, 600)
+    kl[:, :128] = 1.0
+    kl[0, 128:512] = 2.0          # the other row stays 0: that bucket's mean is 1.0
+    kl[:, 512:] = 4.0
+    by = kv_cache.kl_by_position(kl)
+    assert by == {"0-127": 1.0, "128-511": 1.0, "512-599": 4.0}
+    assert list(kv_cache.kl_by_position(torch.ones(1, 100))) == ["0-99"]
+    cell = {"trained_with": "fa3", "backends": {"FLASH_ATTN": {"backend_in_log": "FLASH_ATTN"}},
+            "kl": {"FLASH_ATTN": {"student (bf16 KV)": {"kl": 0.5, "kl_by_position": by}}}}
+    rep = {"smoke": True, "date": "d", "results": [], "engine_checks": {}, "vllm_serve": {"cells": {"600": cell}}}
+    md = kv_cache.markdown(rep)
+    assert "| student's forward | 0-127 | 128-511 | 512-599 |" in md
+    assert "| FLASH_ATTN | student (bf16 KV) | 1.00000 | 1.00000 | 4.00000 |" in md
