@@ -161,3 +161,17 @@ def test_emulation_brings_llama_cpp_to_float_order(tmp_path):
         exact += sum(k < 1e-10 for k in r["kl_per_prompt"])
         total += len(r["kl_per_prompt"])
     assert exact >= total // 4, (exact, total)  # measured 10 of 16 here; a systematic error gives 0
+
+
+def test_tipping_draws_are_seeded_halves_of_the_ambiguous_roundings():
+    """The gate's tipping effect takes all ambiguous roundings and N_DRAWS random halves of them: each
+    draw a subset, about half, different from draw to draw, the same on every run (a verdict repeats)."""
+    N_DRAWS, _draw = rt.N_DRAWS, rt._draw
+    amb = torch.rand(4096, generator=torch.Generator().manual_seed(1234)) < 0.5
+    assert torch.equal(_draw(amb, None), amb)
+    draws = [_draw(amb, torch.Generator().manual_seed(k)) for k in range(N_DRAWS)]
+    again = [_draw(amb, torch.Generator().manual_seed(k)) for k in range(N_DRAWS)]
+    assert all(torch.equal(a, b) for a, b in zip(draws, again))
+    for d in draws:
+        assert not (d & ~amb).any() and 0.4 < d.sum() / amb.sum() < 0.6
+    assert not torch.equal(draws[0], draws[1])

@@ -130,8 +130,9 @@ class VerifyResult:
                      f"{self.engine}/{self.flavour} {self.export_dir}")
         if self.verdict == INCOMPLETE:
             todo = self.to_install()
-            lines.append("to complete the gate: " + ("; ".join(todo) if todo else
-                                                     "run it without the opt-out (--no-logits / llama_cpp=False)"))
+            # nothing to install: say which checks did not run and why (an opt-out, a missing file)
+            lines.append("to complete the gate: " + ("; ".join(todo) if todo else "; ".join(
+                f"{c.check} ({c.detail})" for c in self.checks if c.status == INCOMPLETE)))
         return "\n".join(lines)
 
     def to_dict(self) -> Dict[str, Any]:
