@@ -2,19 +2,25 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+# constraints.txt: the versions make test last passed with (see its header); a change to it reinstalls
+CONSTRAINTS := $(wildcard constraints.txt)
+STAMP := $(VENV)/.installed-$(shell cat setup.py $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 # pin the CPU torch in the same pip call: an unpinned torch would pull a multi-GB CUDA build
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install llama-cpp test demo test-gpu bench-cpu clean
+.PHONY: install lock llama-cpp test demo test-gpu bench-cpu clean
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) "$(TORCH)" -e '.[test]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+# after make test passed on newer versions: write them as the new constraints (torch stays the Makefile's)
+lock: install
+	$(BIN)/python scripts/lock.py $(BIN)/pip constraints.txt
 
 # llama.cpp's own runtime and tools (llama-quantize, llama-perplexity, ...), built once from the
 # llama-cpp-python sdist on PyPI and cached per CPU under ~/.cache/qatfactory/llama.cpp (3-6 min the
