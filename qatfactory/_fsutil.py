@@ -9,6 +9,9 @@ save_student, the trainer's checkpoints and run directories.
     student  qatfactory_quant.json                       (quantize.save_student)
     run      qatfactory_run.json with "qatfactory_run"   (the trainer's run directory)
     warmup   qatfactory_warmup.json                      (train.rl_warmup.save_model_dir)
+    teacher_cache  meta.json with "qatfactory_teacher_cache" (distill.teachers.precompute_topk; caches
+             written before that key have "renormalisation", which only that writer puts there)
+    asset    qatfactory_provenance.json                  (assets.prepare_model_dir / prepare_tokenizer_dir)
 
 or is empty. Anything else is somebody else's and is never deleted or replaced.
 
@@ -36,7 +39,10 @@ EXPORT_RECORD = "qatfactory.json"
 STUDENT_RECORD = "qatfactory_quant.json"
 RUN_RECORD = "qatfactory_run.json"
 WARMUP_RECORD = "qatfactory_warmup.json"
-KINDS = ("export", "student", "run", "warmup")
+TEACHER_CACHE_RECORD = "meta.json"
+TEACHER_CACHE_KEY = "qatfactory_teacher_cache"
+ASSET_RECORD = "qatfactory_provenance.json"
+KINDS = ("export", "student", "run", "warmup", "teacher_cache", "asset")
 
 
 class NotOursError(FileExistsError):
@@ -71,7 +77,7 @@ def _has_json_key(p: Path, key: str) -> bool:
 
 
 def kind_of(path) -> Optional[str]:
-    """'missing', 'empty', 'export', 'student', 'run', 'warmup', or None (exists, not ours: leave it alone).
+    """'missing', 'empty', one of KINDS, or None (exists, not ours: leave it alone).
     A symlink is never ours (replacing it would act on whatever it points at)."""
     p = Path(path)
     if p.is_symlink():
@@ -92,12 +98,21 @@ def kind_of(path) -> Optional[str]:
         return "run"
     if (p / WARMUP_RECORD).is_file() and not (p / WARMUP_RECORD).is_symlink():
         return "warmup"
+    rec = p / TEACHER_CACHE_RECORD
+    if rec.is_file() and not rec.is_symlink() and \
+            (_has_json_key(rec, TEACHER_CACHE_KEY) or _has_json_key(rec, "renormalisation")):
+        return "teacher_cache"
+    if (p / ASSET_RECORD).is_file() and not (p / ASSET_RECORD).is_symlink():
+        return "asset"
     return None
 
 
 _DESCRIBE = {"export": "a qatfactory export", "student": "a qatfactory student directory (save_student)",
              "run": "a qatfactory run directory (checkpoints, student, metrics)",
-             "warmup": "a qatfactory RL warm-up model directory", None: "not written by qatfactory"}
+             "warmup": "a qatfactory RL warm-up model directory",
+             "teacher_cache": "a qatfactory top-k teacher cache (meta.json + shards)",
+             "asset": "a model or tokenizer directory qatfactory made from a packaged asset",
+             None: "not written by qatfactory"}
 
 
 def _inside(a: Path, b: Path) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import _rdata
+from . import _fsutil, _rdata
 
 
 @dataclass(frozen=True)
@@ -271,6 +271,21 @@ def _check_tokenizer_fix(out: Path, gguf_name: Optional[str]) -> None:
     os.replace(tmp, prov_p)
 
 
+def _asset_dir(out: Path):
+    """Write ``out`` atomically; an existing ``out`` is replaced only when it is empty or one of these directories
+    (it holds our provenance record): anything else there is the user's, refused and left alone."""
+    return _fsutil.atomic_dir(out, replace=True, kinds=("asset",), what="model directory")
+
+
+def _write_tokenizer(tok, folder: Path, name: str, gguf: Path) -> None:
+    """The tokenizer with SmolLM2's digit split restored, and the provenance record that marks the folder ours."""
+    tok.save_pretrained(folder)
+    prov = provenance(name)
+    prov["tokenizer_fix"] = TOKENIZER_FIX
+    prov["tokenizer_fix_note"] = _restore_pre_tokenizer(folder, _gguf_pre(gguf))
+    (folder / _fsutil.ASSET_RECORD).write_text(json.dumps(prov, indent=2))
+
+
 def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: str = "bfloat16") -> Path:
     """Turn the packaged GGUF into a plain local HF model directory (safetensors + tokenizer), once.
 
@@ -298,21 +313,9 @@ def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: 
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embedding
     if missing or unexpected:
         raise RuntimeError(f"GGUF -> HF conversion lost tensors: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
-    try:
+    with _asset_dir(out) as tmp:
         clean.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        prov = provenance(name)
-        prov["tokenizer_fix"] = TOKENIZER_FIX
-        prov["tokenizer_fix_note"] = _restore_pre_tokenizer(tmp, _gguf_pre(gguf))
-        (tmp / "qatfactory_provenance.json").write_text(json.dumps(prov, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _write_tokenizer(tok, tmp, name, gguf)
     return out
 
 
@@ -327,20 +330,8 @@ def prepare_tokenizer_dir(name: str = "smollm2", out: Optional[Path] = None) -> 
     from transformers import AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
     gguf = fetch(name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
-    try:
-        tok.save_pretrained(tmp)
-        prov = provenance(name)
-        prov["tokenizer_fix"] = TOKENIZER_FIX
-        prov["tokenizer_fix_note"] = _restore_pre_tokenizer(tmp, _gguf_pre(gguf))
-        (tmp / "qatfactory_provenance.json").write_text(json.dumps(prov, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _asset_dir(out) as tmp:
+        _write_tokenizer(tok, tmp, name, gguf)
     return out
 
 

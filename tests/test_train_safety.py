@@ -411,3 +411,59 @@ def test_temporary_files_left_in_the_run_directory_are_removed(done_run, tmp_pat
     rc, err = _train(capsys, *Q, f"run_dir={d}", "resume=auto", "train.max_steps=4")
     assert rc == 0 and err.count("left by an interrupted write") == 3
     assert sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")) == ["notes.tmp"]
+
+
+def _tiny_teacher_and_samples():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qatfactory.distill.teachers import LiveTeacher
+    from qatfactory.train.data import synthetic_samples
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2))
+    return LiveTeacher(m, torch.float32), synthetic_samples(4, 8, 64, 0)
+
+
+def test_teacher_cache_write_never_deletes_a_folder_that_is_not_a_cache(tmp_path):
+    from qatfactory._fsutil import NotOursError
+    from qatfactory.distill.teachers import CachedTeacher, precompute_topk
+    teacher, samples = _tiny_teacher_and_samples()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own")
+    with pytest.raises(NotOursError, match="is not written by qatfactory.*Nothing was changed"):
+        precompute_topk(teacher, samples, str(mine), 4)
+    assert _tree(mine) == {"notes.txt": b"the user's own"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]          # no temporary folder left either
+    # a cache (ours: its meta.json carries the cache's key) is replaced, and so is one written before that key
+    c = tmp_path / "cache"
+    precompute_topk(teacher, samples, str(c), 4)
+    meta = json.loads((c / "meta.json").read_text())
+    assert meta["qatfactory_teacher_cache"] == 1 and CachedTeacher(str(c)).k == 4
+    del meta["qatfactory_teacher_cache"]
+    (c / "meta.json").write_text(json.dumps(meta))
+    precompute_topk(teacher, samples, str(c), 2)
+    assert CachedTeacher(str(c)).k == 2
+
+
+def test_teacher_cache_option_on_a_users_folder_is_refused_before_anything_is_written(tmp_path, capsys):
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "tokens.txt").write_text("a user's training text that happens to sit in DIR/train")
+    rc, err = _train(capsys, *_with(["method=qad_cached", "format=bf16"]), f"run_dir={tmp_path / 'run'}",
+                     f"method.teacher_cache={root}")
+    assert rc == 4, err
+    assert f"method.teacher_cache: {root / 'train'} is not empty and is not written by qatfactory" in err
+    assert _tree(root) == {"train/tokens.txt": b"a user's training text that happens to sit in DIR/train"}
+
+
+def test_a_model_directory_is_never_written_over_a_users_folder(tmp_path):
+    from qatfactory import _fsutil, assets
+    mine = tmp_path / "tok"
+    mine.mkdir()
+    (mine / "vocab.txt").write_text("not a qatfactory directory")
+    with pytest.raises(_fsutil.NotOursError, match="model directory: .* is not written by qatfactory"):
+        assets.prepare_tokenizer_dir("smollm2", out=mine)
+    assert _tree(mine) == {"vocab.txt": b"not a qatfactory directory"}
+    made = assets.prepare_tokenizer_dir("smollm2", out=tmp_path / "ours")
+    assert _fsutil.kind_of(made) == "asset" and (made / "tokenizer.json").is_file()

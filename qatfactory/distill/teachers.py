@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import List, Optional
 
@@ -31,7 +28,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .._fsutil import load_safetensors
+from .._fsutil import TEACHER_CACHE_KEY, atomic_dir, load_safetensors
 from .losses import LiveTeacherOut, TopKTeacherOut
 
 
@@ -174,9 +171,9 @@ def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_s
     if dt is None:
         raise ValueError(f"precompute_topk: logprob_dtype={logprob_dtype!r}; allowed: ['float32', 'bfloat16']")
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
-    try:
+    # replaces only a missing or empty directory or an earlier cache: a folder of the user's own that happens
+    # to sit at out_dir (method.teacher_cache=DIR puts DIR/train and DIR/eval here) is refused, never deleted
+    with atomic_dir(out, replace=True, kinds=("teacher_cache",), what="teacher cache") as tmp:
         shards: List[str] = []
         n = len(samples)
         L = samples.input_ids.shape[1]
@@ -207,12 +204,7 @@ def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_s
         meta = {"k": int(k), "seq_len": int(L), "n_samples": int(n), "vocab": vocab,
                 "fingerprint": samples.fingerprint(), "shards": shards, "logprob_dtype": logprob_dtype,
                 "teacher": teacher_name,
-                "renormalisation": "teacher softmax(l/tau) over the top-k set; see qatfactory.distill.losses"}
+                "renormalisation": "teacher softmax(l/tau) over the top-k set; see qatfactory.distill.losses",
+                TEACHER_CACHE_KEY: 1}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -389,6 +389,10 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
             # an evaluation writes nothing but its own result file
             raise FileNotFoundError(f"method.teacher=cached: {cache_root / split / 'meta.json'} not found; "
                                     f"evaluate with the run's teacher cache, or method.teacher=live")
+        if not (cache_root / split / "meta.json").exists():
+            # every rank refuses a folder that is not a cache (the user's own, say) before rank 0 would write
+            # there, so no rank waits at the barrier for a write that was refused
+            _fsutil.check_replaceable(cache_root / split, ("teacher_cache",), "method.teacher_cache")
         # rank 0 alone decides and writes; every rank passes the barrier either way
         if rank == 0 and not (cache_root / split / "meta.json").exists():
             lt = LiveTeacher(tmodel, tdtype, dev)
