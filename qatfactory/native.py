@@ -540,6 +540,33 @@ def converted_with_scales(ck: NativeCheckpoint, scales: Dict[str, torch.Tensor],
 
 
 # ============================================================================ scale files
+def _write_scale_file(tensors: Dict[str, torch.Tensor], meta: Dict[str, str], path) -> None:
+    """Write atomically; a file already at ``path`` is replaced only when it is a scale file (its header says
+    so): anything else there (a user's checkpoint given as --out by mistake) is refused and left alone."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise _fsutil.NotOursError(f"scale file: {path} is {'a symbolic link' if path.is_symlink() else 'not a file'};"
+                                   f" it is not replaced. Nothing was changed: choose another path")
+    if path.exists():
+        try:
+            with safe_open(str(path), "pt") as f:
+                kind = (f.metadata() or {}).get("kind")
+        except Exception:  # not safetensors at all
+            kind = None
+        if kind != SCALE_FILE_KIND:
+            raise _fsutil.NotOursError(f"scale file: {path} exists and is not a qatfactory scale file; only an "
+                                       f"earlier scale file is replaced. Nothing was changed: remove it yourself "
+                                       f"or choose another path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = "") -> Dict[str, Any]:
     """The trained scale bytes of every adapted linear (HF names, HF row order) with the code plane they
     belong to; written atomically. Returns its metadata."""
@@ -550,15 +577,7 @@ def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = ""
             "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
             "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
             "task": task, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    _write_scale_file(tensors, meta, path)
     return meta
 
 
@@ -568,14 +587,7 @@ def base_scale_file(ck: NativeCheckpoint, path) -> Dict[str, Any]:
             "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
             "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
             "task": "base (rollback)", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file({n: p.scales.contiguous() for n, p in sorted(ck.packed.items())}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    _write_scale_file({n: p.scales.contiguous() for n, p in sorted(ck.packed.items())}, meta, path)
     return meta
 
 

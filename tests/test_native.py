@@ -227,3 +227,25 @@ def test_cli_scales_export_apply_and_rollback(bases, tmp_path, capsys):
                  str(tmp_path / "no")]) == BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "code plane" in err[0] and not (tmp_path / "no").exists()
+
+
+def test_scales_extract_never_overwrites_a_file_that_is_not_a_scale_file(bases, tmp_path, capsys):
+    from qatfactory.cli import main
+    weights = tmp_path / "model.safetensors"                 # --out pointed at the user's weights by mistake
+    weights.write_bytes((bases["ct_mxfp4"] / "model.safetensors").read_bytes())
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for victim in (weights, notes):
+        before = victim.read_bytes()
+        capsys.readouterr()
+        assert main(["scales", "extract", str(bases["ct_mxfp4"]), "--out", str(victim)]) == BAD_INPUT
+        err = capsys.readouterr().err
+        assert "is not a qatfactory scale file" in err and "Nothing was changed" in err
+        assert victim.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.txt"]
+    # an earlier scale file is ours: extracted again over it
+    f = tmp_path / "base.scales.safetensors"
+    assert main(["scales", "extract", str(bases["ct_mxfp4"]), "--out", str(f)]) == 0
+    first = f.read_bytes()
+    assert main(["scales", "extract", str(bases["ct_mxfp4"]), "--out", str(f)]) == 0
+    assert N.load_scale_file(f)[1]["kind"] == "qatfactory_scales" and len(f.read_bytes()) == len(first)
