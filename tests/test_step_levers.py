@@ -73,8 +73,9 @@ def _same(a, b):
     assert not bad, f"weights differ: {bad[:5]}"
 
 
-@pytest.mark.parametrize("over", [[], ["train.grad_accum=2"], ["format=nvfp4_w4a16"]],
-                         ids=["sft", "grad_accum", "qat_w4a16"])
+@pytest.mark.parametrize("over", [[], ["train.grad_accum=2"], ["format=nvfp4_w4a16"], ["format=paretoq_4bit"],
+                                  ["format=paretoq_2bit", "quant.weight_format=int2_seq_q4_0", "train.quant_start=0.5"]],
+                         ids=["sft", "grad_accum", "qat_w4a16", "paretoq_lsq", "paretoq_seq_quant_start"])
 def test_lean_step_trains_deepspeeds_bits(tmp_path, monkeypatch, over):
     """train.lean_step (the default) against DeepSpeed's own FP16_Optimizer step, all-reduce and timer:
     the same weights and fp32 masters bit for bit after 4 steps with clipping active."""

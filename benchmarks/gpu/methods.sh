@@ -19,6 +19,9 @@
 # (host-bound: benchmarks/lowbit_step.py counts ~9,100 launches and ~12 host reads per step after the fix,
 # ~24,000 and 1,331 before, when the H200 took ~0.72 s) + ~1.5 min of load, evaluations and diagnostics per
 # arm; the split's byte model 0.02-0.08 s per step, ~25 s per run besides. Each job's rows record step_ms.
+# Since 2026-12-06 the ParetoQ and paper arms train with FusedAdam at ZeRO-0 (the lean step) instead of torch's
+# AdamW at ZeRO-1: ~2,200 launches per step instead of ~5,100 by the CPU count (RESULTS.md), so expect the low
+# end of these ranges or below; the first job of a fresh machine JIT-builds FusedAdam (~1 min, once).
 # The sequence on a fresh machine (carry lists as above; every call well under 600 s):
 #   1  PRESET=probe bash benchmarks/gpu/methods.sh preflight paretoq_split4s0
 #        the CUDA tests (incl. tests/test_lowbit_batch_cuda.py: batched == per-linear bits on CUDA) and a

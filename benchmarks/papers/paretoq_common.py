@@ -211,12 +211,16 @@ def common_train(device: str, run_dir: Path, seed: int, smoke: bool) -> List[str
     """Trainer overrides every arm shares: no warmup, cosine to 0 (ParetoQ), fp32 masters (DeepSpeed bf16
     on the GPU; fp32 on a CPU), only the student saved, no plots per run.
 
-    On the GPU, ZeRO stage 1 (one rank: fp32 master weights and AdamW in flat buffers): at stage 0 with
-    torch's AdamW, DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer) checks every parameter's gradient for
-    overflow with a host read each (a learnable ParetoQ scale is a parameter: 482 reads per SmolLM2 step)
-    and loops over the parameters for the fp32 copies; benchmarks/lowbit_step.py counts it (RESULTS.md)."""
-    zero = ["train.zero_stage=1"] if device == "cuda" else []
-    return ["train=default", f"train.device={device}", f"train.precision={'bf16' if device == 'cuda' else 'fp32'}", *zero,
+    On the GPU, ZeRO-0 with DeepSpeed's FusedAdam, which the trainer's lean step (train/ds_step.py, on by
+    default; same bits as DeepSpeed's own step, tests/test_step_levers.py, ParetoQ grids and quant_start
+    included) runs without DeepSpeed's per-parameter work. A 135M model's GPU step is bound by the host
+    issuing kernels; counted on a CPU per optimizer step (benchmarks/step_counts.py's 16-layer Llama,
+    4-bit LSQ): 2,179 launches / 12 host reads, against 5,071 / 15 at ZeRO-1 with torch's AdamW (this
+    function's setting until 2026-12-06) and ~7,600 / 531 at ZeRO-0 with torch's AdamW
+    (FP16_UnfusedOptimizer: an overflow read per parameter, a learned scale being one). FusedAdam is built
+    by DeepSpeed's JIT on a fresh machine (~1 min, once per machine)."""
+    fused = ["train.optimizer=adamw_fused"] if device == "cuda" else []
+    return ["train=default", f"train.device={device}", f"train.precision={'bf16' if device == 'cuda' else 'fp32'}", *fused,
             "train.schedule=cosine", "train.warmup_steps=0", "train.min_lr_ratio=0.0", "train.eval_every=0",
             "train.save_every=0", "train.save_final=false", "train.save_student=true", "train.tensorboard=false",
             "train.plots=false", f"train.progress={'false' if smoke else 'true'}", f"train.seed={seed}",
