@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
@@ -449,21 +449,6 @@ def save_sharded(tensors: Dict[str, torch.Tensor], out: Path, max_shard_bytes: i
             total += t.numel() * t.element_size()
     write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     return files + ["model.safetensors.index.json"]
-
-
-def load_safetensors_dir(d) -> Dict[str, torch.Tensor]:
-    """All tensors of an export directory (sharded or not), read with safetensors itself."""
-    d = Path(d)
-    idx = d / "model.safetensors.index.json"
-    if idx.is_file():
-        with open(idx) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    out = {}
-    for fn in files:
-        out.update(load_file(str(d / fn)))
-    return out
 
 
 # ------------------------------------------------------------------------------ spec queries
