@@ -63,7 +63,7 @@ def arm_overrides(a, p, data, arm, seed, run_dir, micro=None, seq=None, ckpt=Fal
     r = arm["rank"]
     lr = p["lr"] * (p["lora_lr_factor"] if r else 1.0)
     o = C.model_overrides(a.smoke, a.model_path, a.device) + [f"format={FORMAT}"]
-    o += [f"method=qad_lora", f"quant.lora.rank={r}", f"quant.lora.alpha={float(r)}"] if r else ["method=qad"]
+    o += ["method=qad_lora", f"quant.lora.rank={r}", f"quant.lora.alpha={float(r)}"] if r else ["method=qad"]
     o += ["data=files", f"data.train=[{f['wiki_train']},{f['austen_train']}]", f"data.eval=[{f['wiki_ho']}]",
           f"data.seq_len={seq or p['seq']}", "data.eval_samples=2"]
     o += C.train_overrides(a.device, run_dir, seed, steps or p["steps"], lr, micro or p["micro"], 1, 0, a.smoke,

@@ -489,6 +489,21 @@ class ArmLog:
         return 1.1 * max(t) if t else default
 
 
+def run_and_report(arms: Sequence[Dict[str, Any]], seeds: Sequence[int], budget: Budget, fn: Callable,
+                   res: Dict[str, Any], verdicts: Callable, report: Callable, out: Path, tag: str) -> int:
+    """A paper script's whole run: the report written before the first arm (an empty table) and again after
+    each one (arms, verdicts), then printed; exit code 1 when an arm failed."""
+    def save(results):
+        res["arms"] = results
+        res["verdicts"] = verdicts(res)
+        report(out, res)
+
+    save([])
+    run_schedule(arms, seeds, budget, fn, save, tag)
+    print((out / f"{tag}.md").read_text())
+    return 1 if failures(res.get("arms", [])) else 0
+
+
 def run_schedule(arms: Sequence[Dict[str, Any]], seeds: Sequence[int], budget: Budget, fn: Callable,
                  on_done: Callable, tag: str, default_estimate: float = 60.0) -> List[Dict[str, Any]]:
     """Run ``fn(arm, seed)`` for every arm at the first seed, then every arm at the next seed..., so a run cut

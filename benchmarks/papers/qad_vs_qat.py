@@ -111,15 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         r["eval"] = C.student_eval(run_dir, ev, dtype, a.device)
         return r
 
-    def save(results):
-        res["arms"] = results
-        res["verdicts"] = verdicts(res)
-        report(a.out, res)
-
-    save([])
-    C.run_schedule(arms, seeds, budget, one, save, TAG)
-    print((a.out / f"{TAG}.md").read_text())
-    return 1 if C.failures(res.get("arms", [])) else 0
+    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG)
 
 
 def _v(results, arm, split, key):
