@@ -271,6 +271,11 @@ def _check_tokenizer_fix(out: Path, gguf_name: Optional[str]) -> None:
     os.replace(tmp, prov_p)
 
 
+def _check_asset_target(out: Path) -> None:
+    """Refuse a folder of the user's at ``out`` before any conversion work (atomic_dir checks again at the swap)."""
+    _fsutil.check_replaceable(out, ("asset",), "model directory")
+
+
 def _asset_dir(out: Path):
     """Write ``out`` atomically; an existing ``out`` is replaced only when it is empty or one of these directories
     (it holds our provenance record): anything else there is the user's, refused and left alone."""
@@ -297,6 +302,7 @@ def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: 
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         _check_tokenizer_fix(out, name if name in ASSETS else None)
         return out
+    _check_asset_target(out)
     import torch  # noqa: PLC0415 (leaf: stdlib only)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
 
@@ -327,6 +333,7 @@ def prepare_tokenizer_dir(name: str = "smollm2", out: Optional[Path] = None) -> 
     if (out / "tokenizer.json").is_file() and (out / "qatfactory_provenance.json").is_file():
         _check_tokenizer_fix(out, name)
         return out
+    _check_asset_target(out)
     from transformers import AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
     gguf = fetch(name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
