@@ -185,3 +185,26 @@ def test_merge_into_quant_ships_q_of_w_plus_delta():
     assert not torch.equal(merged.packed[k].codes, base.packed[k].codes)
     with pytest.raises(ValueError, match="already has a merged LoRA"):
         A.attach(m, 4, 8.0, ["*q_proj"])
+
+
+@pytest.mark.parametrize("rank,alpha", [(16, 16.0), (4, 8.0)])
+def test_side_adapter_output_and_gradients_are_the_lora_formula_bit_for_bit(rank, alpha):
+    """base(x) + (x A^T B^T) * alpha/rank, as peft computes it; at alpha = rank the hook skips the multiply by
+    1.0 (one launch fewer per linear on host-bound decode steps): the bits must not change."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 24, bias=False)
+    holder = torch.nn.Sequential(lin)
+    A.attach(holder, rank, alpha, ["0"])
+    ad = lin.adapter
+    with torch.no_grad():
+        ad.lora_B.normal_()
+    x = torch.randn(5, 32, requires_grad=True)
+    got = holder(x)
+    x2 = x.detach().clone().requires_grad_(True)
+    F = torch.nn.functional
+    ref = F.linear(x2, lin.weight) + F.linear(F.linear(x2, ad.lora_A), ad.lora_B) * (alpha / rank)
+    assert torch.equal(got, ref)
+    g = torch.randn_like(got)
+    ga = torch.autograd.grad(got, [x, ad.lora_A, ad.lora_B], g)
+    gb = torch.autograd.grad(ref, [x2, ad.lora_A, ad.lora_B], g)
+    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
