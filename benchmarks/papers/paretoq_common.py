@@ -216,8 +216,8 @@ def common_train(device: str, run_dir: Path, seed: int, smoke: bool) -> List[str
     included) runs without DeepSpeed's per-parameter work. A 135M model's GPU step is bound by the host
     issuing kernels; counted on a CPU per optimizer step (benchmarks/step_counts.py's 16-layer Llama,
     4-bit LSQ): 2,179 launches / 12 host reads, against 5,071 / 15 at ZeRO-1 with torch's AdamW (this
-    function's setting until 2026-12-06) and ~7,600 / 531 at ZeRO-0 with torch's AdamW
-    (FP16_UnfusedOptimizer: an overflow read per parameter, a learned scale being one). FusedAdam is built
+    function's setting until 2026-12-06); 2-bit SEQ 2,203 / 12 against 5,095 / 15, and 7,627 / 531 at ZeRO-0
+    with torch's AdamW (FP16_UnfusedOptimizer: an overflow read per parameter, a learned scale being one). FusedAdam is built
     by DeepSpeed's JIT on a fresh machine (~1 min, once per machine)."""
     fused = ["train.optimizer=adamw_fused"] if device == "cuda" else []
     return ["train=default", f"train.device={device}", f"train.precision={'bf16' if device == 'cuda' else 'fp32'}", *fused,
