@@ -4,6 +4,7 @@ NVFP4/MXFP4 base is bit-identical to the export's dequantized bytes (ml_dtypes d
 side adapter saved as a PEFT directory reproduces the student's logits when peft loads it onto
 that base (transformers' loader, peft's LoRA: no qatfactory code on the reference side)."""
 import json
+import os
 
 import ml_dtypes
 import numpy as np
@@ -208,3 +209,24 @@ def test_side_adapter_output_and_gradients_are_the_lora_formula_bit_for_bit(rank
     ga = torch.autograd.grad(got, [x, ad.lora_A, ad.lora_B], g)
     gb = torch.autograd.grad(ref, [x2, ad.lora_A, ad.lora_B], g)
     assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+
+
+def test_adapter_save_is_a_swap_a_kill_cannot_lose_and_a_link_is_refused(tmp_path):
+    m = _student("nvfp4_w4a16")
+    out = tmp_path / "adapter"
+    A.save_peft_adapter(m, str(out))
+    first = (out / "adapter_model.safetensors").read_bytes()
+    # a replace cut between its two renames: only the moved-aside copy is left; the next save restores it,
+    # then replaces it, and leaves nothing beside it
+    os.rename(out, tmp_path / ".adapter.old-abcd1234")
+    A.save_peft_adapter(m, str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    assert (out / "adapter_model.safetensors").read_bytes() == first
+    # a symbolic link at the target is never replaced (it would act on whatever it points at)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "adapter_config.json").write_text("{}")
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(FileExistsError, match="not an adapter directory"):
+        A.save_peft_adapter(m, str(tmp_path / "link"))
+    assert (real / "adapter_config.json").read_text() == "{}"

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from .. import _fsutil
 from .linear import QuantLinear
 from .lora import LoRA
 
@@ -179,25 +181,20 @@ def save_peft_adapter(model: nn.Module, out_dir: str, base_model: Optional[str] 
     """adapter_config.json + adapter_model.safetensors, written to a temporary directory beside
     ``out_dir`` and renamed into place; an existing ``out_dir`` must be such an adapter directory."""
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
+    out = Path(out_dir)
+    _fsutil.recover(out)          # a replace cut by a kill: the last complete adapter is put back first
+    if out.is_symlink() or (out.exists() and not (out / "adapter_config.json").is_file()):
         raise FileExistsError(f"save_peft_adapter: {out_dir} exists and is not an adapter directory; "
                               f"refusing to replace it")
     cfg = peft_config(model, base_model)
     tensors = peft_tensors(model, dtype)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
     try:
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        old = None
-        if os.path.exists(out_dir):
-            old = out_dir + f".old-{os.getpid()}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsutil.swap_in(tmp, out)   # the old one moved aside, the new one renamed in, the old one deleted
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
