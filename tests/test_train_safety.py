@@ -446,7 +446,7 @@ def test_teacher_cache_write_never_deletes_a_folder_that_is_not_a_cache(tmp_path
     assert CachedTeacher(str(c)).k == 2
 
 
-def test_teacher_cache_option_on_a_users_folder_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_teacher_cache_option_on_a_users_folder_is_refused_and_left_alone(tmp_path, capsys):
     root = tmp_path / "data"
     (root / "train").mkdir(parents=True)
     (root / "train" / "tokens.txt").write_text("a user's training text that happens to sit in DIR/train")
