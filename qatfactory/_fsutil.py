@@ -15,23 +15,29 @@ save_student, the trainer's checkpoints and run directories.
 
 or is empty. Anything else is somebody else's and is never deleted or replaced.
 
-A write goes to ``.<name>.tmp-XXXXXXXX`` beside the target and is renamed into place; a replace
-renames the old target to ``.<name>.old-XXXXXXXX`` first and deletes it after the swap, so a kill at
-any moment leaves either the old or the new directory complete. :func:`recover` (called before each
-write) puts an ``.old-*`` back when the swap was cut between its two renames and removes the
-leftovers of interrupted writes.
+A write goes to ``.<name>.tmp-<writer>-XXXXXXXX`` beside the target and is renamed into place; a
+replace renames the old target to ``.<name>.old-<writer>-XXXXXXXX`` first and deletes it after the
+swap, so a kill at any moment leaves either the old or the new directory complete. :func:`recover`
+(called before each write) puts an ``.old-*`` back when the swap was cut between its two renames and
+removes the leftovers of interrupted writes. ``<writer>`` is the writing process's id and a tag of its
+host: a leftover whose writer still runs (two jobs preparing the same model at once) or was written on
+another host (a shared file system, where this process cannot tell) is another writer's work in
+progress and is left alone. Names without a writer (older versions, checkpoint folders) are tidied
+as before.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 from .exitcodes import BAD_INPUT, CorruptFileError
 
@@ -152,13 +158,48 @@ def check_replaceable(target, kinds: Sequence[str], what: str, protect: Iterable
                        f"choose another output directory")
 
 
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
+
+
+def writer_tag() -> str:
+    """``<pid>h<host tag>``: who writes a temporary directory, put in its name (see the module docstring)."""
+    return f"{os.getpid()}h{_HOST}"
+
+
+def _writer_alive(name: str) -> bool:
+    """True when a leftover's name says its writer may still be writing: it runs on this host, or the
+    leftover came from another host (its process cannot be asked)."""
+    m = re.search(r"-(\d+)h([0-9a-f]{6})-[A-Za-z0-9_]{8}$", name)
+    if not m:
+        return False
+    pid, host = int(m.group(1)), m.group(2)
+    if host != _HOST:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _leftovers(target: Path, tag: str) -> List[Path]:
-    pat = re.compile(r"^\." + re.escape(target.name) + r"\." + tag + r"-[A-Za-z0-9_]{8}$")
+    pat = re.compile(r"^\." + re.escape(target.name) + r"\." + tag + r"-(\d+h[0-9a-f]{6}-)?[A-Za-z0-9_]{8}$")
     parent = target.parent
     if not parent.is_dir():
         return []
-    return sorted((p for p in parent.iterdir() if pat.match(p.name) and p.is_dir() and not p.is_symlink()),
+    return sorted((p for p in parent.iterdir() if pat.match(p.name) and p.is_dir() and not p.is_symlink()
+                   and not _writer_alive(p.name)),
                   key=lambda p: p.stat().st_mtime)
+
+
+def make_tmp_dir(target, tag: str = "tmp") -> Path:
+    """An empty ``.<name>.<tag>-<writer>-XXXXXXXX`` directory beside ``target``."""
+    target = Path(target)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-{writer_tag()}-", dir=target.parent))
 
 
 def recover(target, say=None) -> List[str]:
@@ -202,7 +243,7 @@ def swap_in(tmp, target) -> None:
     after the swap (both renames stay inside one directory, so each is atomic)."""
     tmp, target = Path(tmp), Path(target)
     if target.exists() or target.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        old = make_tmp_dir(target, "old")
         os.rmdir(old)
         os.rename(target, old)
         try:
@@ -219,11 +260,14 @@ def swap_in(tmp, target) -> None:
 
 @contextmanager
 def atomic_dir(target, replace: bool = False, kinds: Sequence[str] = ("export",), what: str = "write",
-               protect: Iterable = ()) -> Iterator[Path]:
+               protect: Iterable = (), keep_if: Optional[Callable[[Path], bool]] = None) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``target``; on success swap it in; on error delete it.
 
     An existing target is replaced only with ``replace=True`` and only when it is empty or of one of
-    ``kinds`` (checked before and again right before the swap); otherwise NotOursError."""
+    ``kinds`` (checked before and again right before the swap); otherwise NotOursError.
+    ``keep_if(target)`` true right before the swap (another process finished the same write while this one
+    ran, e.g. two jobs preparing one model directory): the target is kept as it is, which a reader of it
+    may already be using, and this write is dropped."""
     target = Path(target)
     protect = list(protect)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -231,9 +275,12 @@ def atomic_dir(target, replace: bool = False, kinds: Sequence[str] = ("export",)
     k = check_replaceable(target, kinds, what, protect)
     if k != "missing" and not replace:
         raise NotOursError(f"{what}: {target} already exists; pass force=True (CLI: --force) to replace it")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = make_tmp_dir(target)
     try:
         yield tmp
+        if keep_if is not None and keep_if(target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         k = check_replaceable(target, kinds, what, protect)
         if k != "missing" and not replace:
             raise NotOursError(f"{what}: {target} appeared while writing; not replacing it without force")

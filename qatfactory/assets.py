@@ -276,10 +276,19 @@ def _check_asset_target(out: Path) -> None:
     _fsutil.check_replaceable(out, ("asset",), "model directory")
 
 
-def _asset_dir(out: Path):
+def _asset_dir(out: Path, complete):
     """Write ``out`` atomically; an existing ``out`` is replaced only when it is empty or one of these directories
-    (it holds our provenance record): anything else there is the user's, refused and left alone."""
-    return _fsutil.atomic_dir(out, replace=True, kinds=("asset",), what="model directory")
+    (it holds our provenance record): anything else there is the user's, refused and left alone. When another
+    process completed ``out`` meanwhile (``complete(out)``), its directory stays and this one is dropped."""
+    return _fsutil.atomic_dir(out, replace=True, kinds=("asset",), what="model directory", keep_if=complete)
+
+
+def _model_dir_complete(out: Path) -> bool:
+    return (out / "config.json").exists() and any(out.glob("*.safetensors")) and (out / _fsutil.ASSET_RECORD).is_file()
+
+
+def _tokenizer_dir_complete(out: Path) -> bool:
+    return (out / "tokenizer.json").is_file() and (out / _fsutil.ASSET_RECORD).is_file()
 
 
 def _write_tokenizer(tok, folder: Path, name: str, gguf: Path) -> None:
@@ -319,7 +328,7 @@ def prepare_model_dir(name: str = "smollm2", out: Optional[Path] = None, dtype: 
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embedding
     if missing or unexpected:
         raise RuntimeError(f"GGUF -> HF conversion lost tensors: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with _asset_dir(out) as tmp:
+    with _asset_dir(out, _model_dir_complete) as tmp:
         clean.save_pretrained(tmp)
         _write_tokenizer(tok, tmp, name, gguf)
     return out
@@ -337,7 +346,7 @@ def prepare_tokenizer_dir(name: str = "smollm2", out: Optional[Path] = None) -> 
     from transformers import AutoTokenizer  # noqa: PLC0415 (leaf: stdlib only)
     gguf = fetch(name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with _asset_dir(out) as tmp:
+    with _asset_dir(out, _tokenizer_dir_complete) as tmp:
         _write_tokenizer(tok, tmp, name, gguf)
     return out
 

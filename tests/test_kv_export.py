@@ -191,6 +191,42 @@ def test_the_k_order_table_agrees_with_the_gguf_exporter():
         assert ARCHS[mt][1] is permute, mt
 
 
+@pytest.mark.parametrize("hook", ["kv", "weights", "other_kv"])
+def test_attention_modules_compressed_tensors_hooks_for_the_kv_cache_are_not_counted_as_linears(
+        tmp_path, monkeypatch, hook):
+    """On the GPU image (transformers 5.17) compressed-tensors 0.20.1 hangs the KV-cache scheme on every attention
+    module it recognises; with transformers 5.25 (CI) its signature check recognises none. The gate's quantized-set
+    row failed there ("CT would quantize model.layers.0.self_attn"). The hook is reproduced here on the CI stack:
+    an attention module carrying only the exported kv_cache_scheme is the KV cache (its own rows check it); one
+    carrying a weight scheme, or another activation scheme, is still a module CT would quantize, and fails."""
+    import compressed_tensors.quantization as q
+    m = _student("qwen3", "nvfp4_w4a16", "fp8_e4m3")
+    cm = convert(m)
+    export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
+    real = q.apply_quantization_config
+
+    def apply_and_hook(model, config, **kw):
+        out = real(model, config, **kw)
+        kv = config.kv_cache_scheme
+        other = kv.model_copy(update={"num_bits": 4, "type": "int"})
+        for name, mod in model.named_modules():
+            if name.endswith("self_attn"):
+                mod.quantization_scheme = q.QuantizationScheme(
+                    targets=["re:.*self_attn$"], input_activations={"kv": kv, "weights": None, "other_kv": other}[hook],
+                    weights=kv if hook == "weights" else None)
+        return out
+
+    monkeypatch.setattr(q, "apply_quantization_config", apply_and_hook)
+    res = verify(tmp_path / "e", cm, logits=False)
+    row = [c for c in res.checks if c.check == "quantized set (compressed-tensors)"]
+    assert len(row) == 1
+    if hook == "kv":
+        assert row[0].status == "ok" and "attention modules carry only the KV-cache scheme" in row[0].detail, res.table()
+        assert not res.failures, res.table()           # INCOMPLETE only for the logits left out
+    else:
+        assert row[0].status == "FAIL" and "self_attn" in row[0].detail, res.table()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by pytest -m cuda on the GPU)")
 @pytest.mark.parametrize("flavour", ["compressed-tensors", "modelopt"])

@@ -105,6 +105,47 @@ def test_sft_loss_is_the_cross_entropy_of_the_target_tokens_only():
     assert float(got) == pytest.approx(nll / n, rel=1e-5)
 
 
+
+def test_sft_batches_are_right_padded_so_no_attention_row_is_fully_masked():
+    """A left pad position attends to nothing; on the GPU (H100, 2026-12-06) the warm-up's loss turned NaN at
+    step 21 of 24 with left padding. Right padding leaves every row a real token to attend to."""
+    from qatfactory.train import rl_warmup as W
+    ps, ts = [[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11, 12], [13]]
+    ids, attn, labels, K = W._batch(ps, ts, 0, torch.device("cpu"))
+    assert attn[:, 0].all() and ids.tolist()[1] == [4, 9, 10, 11, 12] and ids.tolist()[2] == [5, 6, 13, 0, 0]
+    assert K == 5 and labels.shape == (3, 5)
+    # the logit at position j predicts token j + 1: labels hold exactly each row's targets, in order
+    assert [[x for x in r if x != -100] for r in labels.tolist()] == ts
+    assert labels.tolist()[0] == [-100, -100, 7, 8, -100]
+
+
+def test_a_non_finite_step_is_skipped_and_too_many_stop_the_warm_up(monkeypatch):
+    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.data import ByteTokenizer
+    tok, model = ByteTokenizer(), _tiny()
+    task = R.make_task("arith", "tag", 0, n_train=1, n_eval=1)
+    items = R.arith_warmup(8, [0, 1], 1, ())
+    real, calls = W.sft_loss, []
+
+    def loss_with_nan_at(bad):
+        def f(*a, **k):
+            calls.append(1)
+            out = real(*a, **k)
+            return out * float("nan") if len(calls) - 1 in bad else out
+        return f
+
+    monkeypatch.setattr(W, "sft_loss", loss_with_nan_at({2}))
+    info = W.sft_warmup(model, tok, task, items, 12, 1e-3, 2, True, 0)
+    assert info["skipped_steps"] == [2] and len(info["grad_norms"]) == 12
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    calls.clear()
+    monkeypatch.setattr(W, "sft_loss", loss_with_nan_at({1, 3}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at steps \[1, 3\]"):
+        W.sft_warmup(model, tok, task, items, 12, 1e-3, 2, True, 0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())   # steps 0 and 2 did run
+
 def _format_rate(model, tok, task, items):
     from qatfactory.distill.rollout import SamplingConfig, generate
     from qatfactory.train import rl_warmup as W

@@ -256,3 +256,79 @@ def test_kill9_during_save_student_leaves_the_old_student(student_dir, tmp_path)
     from qatfactory.quantize import load_student
     load_student(str(d))                                             # still loads
     assert any(p.name.startswith(".student.tmp-") for p in tmp_path.iterdir())
+
+
+def test_recover_leaves_a_running_writers_temporary_directory_alone(tmp_path):
+    """Two jobs preparing the same model directory at once (the GPU runs' `par`): the second one's recover
+    deleted the first one's unfinished .tmp-* (FileNotFoundError in the first). A leftover whose writer still
+    runs here, or was named on another host, is left; one whose writer is gone is removed."""
+    target = tmp_path / "model"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+        host = _fsutil.writer_tag().split("h", 1)[1]
+        other = "0" * 6 if host != "0" * 6 else "1" * 6
+        live = tmp_path / f".model.tmp-{sleeper.pid}h{host}-abcd1234"
+        gone = tmp_path / f".model.tmp-{int(dead.stdout)}h{host}-abcd1234"
+        remote = tmp_path / f".model.tmp-{sleeper.pid}h{other}-abcd1234"
+        legacy = tmp_path / ".model.tmp-abcd1234"
+        live_old = tmp_path / f".model.old-{sleeper.pid}h{host}-abcd1234"    # mid-swap: target missing
+        for d in (live, gone, remote, legacy, live_old):
+            (d / "sub").mkdir(parents=True)
+        done = _fsutil.recover(target, say=lambda m: None)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name, live_old.name])
+        assert not target.exists()                        # a running swap's old copy is not put back under it
+        assert len(done) == 2 and all("removed" in m for m in done)
+        # and a write of the target while the other writer runs leaves its directory, then swaps in its own
+        with _fsutil.atomic_dir(target, replace=True, kinds=("asset",)) as t:
+            assert t.name.startswith(f".model.tmp-{_fsutil.writer_tag()}-")
+            (t / _fsutil.ASSET_RECORD).write_text("{}")
+        assert (target / _fsutil.ASSET_RECORD).is_file() and live.is_dir() and live_old.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    _fsutil.recover(target, say=lambda m: None)           # the writer is gone now: its leftovers go
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model", remote.name])
+
+
+def test_two_processes_writing_the_same_asset_directory_at_once_both_finish(tmp_path):
+    """The race itself, in two processes: each holds its temporary directory open for a while, the second
+    starts inside the first's write; both must finish and the target must be one complete directory."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from qatfactory import _fsutil
+        with _fsutil.atomic_dir({str(tmp_path / 'm')!r}, replace=True, kinds=("asset",)) as t:
+            (t / "a").write_text(sys.argv[1])
+            time.sleep(float(sys.argv[2]))
+            (t / _fsutil.ASSET_RECORD).write_text("{{}}")
+            (t / "b").write_text(sys.argv[1])
+        print("finished", sys.argv[1])
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    first = subprocess.Popen([sys.executable, "-c", code, "one", "3"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    import time
+    deadline = time.time() + 30
+    while not any(p.name.startswith(".m.tmp-") for p in tmp_path.iterdir()) and time.time() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-c", code, "two", "0"], capture_output=True, text=True, env=env)
+    out1, err1 = first.communicate(timeout=60)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert first.returncode == 0, err1[-2000:]
+    a, b = (tmp_path / "m" / "a").read_text(), (tmp_path / "m" / "b").read_text()
+    assert a == b == "one"                                # the later swap wins, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_write_finished_meanwhile_by_another_process_is_kept_when_keep_if_says_so(tmp_path):
+    """prepare_model_dir in two jobs at once: the one that finishes second must not swap its copy over the
+    directory the first one is already loading from."""
+    target = tmp_path / "m"
+    with _fsutil.atomic_dir(target, replace=True, kinds=("asset",), keep_if=lambda t: (t / "done").is_file()) as t:
+        (t / "done").write_text("late")
+        target.mkdir()                                   # the other process's complete directory appears
+        (target / "done").write_text("first")
+        (target / _fsutil.ASSET_RECORD).write_text("{}")
+    assert (target / "done").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]          # the late copy is gone, nothing else

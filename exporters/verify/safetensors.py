@@ -656,11 +656,21 @@ def _ct_skeleton(res, d, student) -> None:
     except Exception as e:
         res.add("modules", "quantized set (compressed-tensors)", FAIL, f"{type(e).__name__}: {str(e)[:300]}")
         return
-    got = {n for n, mod in sk.named_modules() if getattr(mod, "quantization_scheme", None) is not None}
+    schemed = {n: mod for n, mod in sk.named_modules() if getattr(mod, "quantization_scheme", None) is not None}
+    # with a kv_cache_scheme, compressed-tensors also hooks the attention modules it recognises (which ones
+    # depends on the transformers version): a scheme of input activations equal to the KV scheme and no
+    # weights is the KV cache, checked by the "kv cache" rows, not a linear it would quantize
+    kv = qcfg.kv_cache_scheme
+    kv_hooked = {n for n, mod in schemed.items() if kv is not None and not isinstance(mod, torch.nn.Linear)
+                 and getattr(mod.quantization_scheme, "weights", None) is None
+                 and getattr(mod.quantization_scheme, "input_activations", None) == kv}
+    got = set(schemed) - kv_hooked
     want = {module_of(n) for n in student.packed if ".experts." not in n}
+    kv_note = f"; {len(kv_hooked)} attention modules carry only the KV-cache scheme" if kv_hooked else ""
     res.ok_or_fail("modules", "quantized set (compressed-tensors)", got == want,
-                   f"{len(got)} linears == the student's packed" if got == want else
-                   f"CT would quantize {names_sample(got - want)} (not packed) / leave {names_sample(want - got)}",
+                   (f"{len(got)} linears == the student's packed" if got == want else
+                    f"CT would quantize {names_sample(got - want)} (not packed) / leave {names_sample(want - got)}")
+                   + kv_note,
                    source="compressed_tensors.apply_quantization_config on a transformers skeleton")
 
 

@@ -28,7 +28,6 @@ import fnmatch
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -189,7 +188,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str, base_model: Optional[str] 
     cfg = peft_config(model, base_model)
     tensors = peft_tensors(model, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    tmp = str(_fsutil.make_tmp_dir(out))
     try:
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:

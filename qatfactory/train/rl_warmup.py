@@ -14,7 +14,9 @@ quantizer.
 The loss: prompts rendered exactly as the RL loop renders them (:func:`prompt_ids`, system prompt
 and chat template included), the target ``target_text(item) + EOS`` (the EOS is the action that ends a
 rollout); cross-entropy on the target tokens only, mean over the batch's target tokens. Rows are
-left-padded so the targets sit at the end and only their logits are computed (``logits_to_keep``).
+right-padded (no attention row is fully masked, see :func:`_batch`) and only the logits from the
+first target position on are computed (``logits_to_keep``). A step whose loss or gradient norm is not
+finite is skipped and recorded (``skipped_steps``); more than a tenth of the steps stops the warm-up.
 Full fine-tuning, fp32 master weights (the model is cast back to its dtype at the end), matmuls under
 bf16 autocast where the device is fast at bf16 (GPUs; CPUs with AMX/AVX512-BF16, qatfactory.cpu),
 AdamW, a linear ramp over the first 10 % of the steps then cosine to 10 % of the rate, gradient norm
@@ -59,28 +61,32 @@ def target_ids(tok, task: Task, items: Sequence[Item]) -> List[List[int]]:
 
 
 def _batch(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], pad: int, device):
-    """Left-padded [prompt | target] rows: ids, attention mask, position ids, the labels of the last
-    ``K`` positions' next tokens (-100 where no target token follows) and K."""
+    """Right-padded [prompt | target] rows: ids, attention mask, the labels of every position's next
+    token (-100 except where a target token follows) and how many last positions hold a label.
+
+    Right, not left, padding: a left pad position can attend to nothing (every key before it is a
+    pad), and a fully masked attention row is where fused attention kernels may return NaN in the
+    backward; after a right pad the row still sees its real tokens."""
     rows = [list(p) + list(t) for p, t in zip(prompts, targets)]
     L = max(len(r) for r in rows)
-    K = max(len(t) for t in targets)
     ids = torch.full((len(rows), L), pad, dtype=torch.long)
     attn = torch.zeros((len(rows), L), dtype=torch.long)
-    labels = torch.full((len(rows), K), -100, dtype=torch.long)
-    for i, (r, t) in enumerate(zip(rows, targets)):
-        ids[i, L - len(r):] = torch.tensor(r, dtype=torch.long)
-        attn[i, L - len(r):] = 1
-        labels[i, K - len(t):] = torch.tensor(list(t), dtype=torch.long)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), attn.to(device), pos.to(device), labels.to(device), K
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        r = list(p) + list(t)
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[i, :len(r)] = 1
+        # the logit at position j predicts the token at j + 1
+        labels[i, len(p) - 1:len(r) - 1] = torch.tensor(list(t), dtype=torch.long)
+    K = L - (min(len(p) for p in prompts) - 1)          # positions from the first labelled one to the end
+    return ids.to(device), attn.to(device), labels[:, L - K:].to(device), K
 
 
 def sft_loss(model, prompts, targets, pad: int, device) -> torch.Tensor:
     """Mean cross-entropy of the target tokens given their prompts (teacher forcing)."""
-    ids, attn, pos, labels, K = _batch(prompts, targets, pad, device)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=K + 1)
-    # logits at positions L-K-1 .. L-2 predict the tokens at L-K .. L-1 (the last logit predicts past the row)
-    logits = out.logits[:, -(K + 1):-1].float()
+    ids, attn, labels, K = _batch(prompts, targets, pad, device)
+    out = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=K)
+    logits = out.logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
@@ -140,6 +146,8 @@ def sft_warmup(model, tok, task: Task, items: Sequence[Item], steps: int, lr: fl
     g = torch.Generator().manual_seed(seed)
     order: List[int] = []
     losses: List[float] = []
+    grad_norms: List[float] = []
+    skipped: List[int] = []
     n_tok = 0
     bar = None
     if progress:
@@ -156,9 +164,19 @@ def sft_warmup(model, tok, task: Task, items: Sequence[Item], steps: int, lr: fl
                 loss = sft_loss(model, ps, ts, pad, device)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            # a non-finite loss or gradient would turn every weight into NaN through AdamW: the step is
+            # skipped (as a loss scaler skips an overflow), counted, and too many of them stop the warm-up
+            if bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm)):
+                opt.step()
+            else:
+                skipped.append(step)
+                if len(skipped) > max(1, steps // 10):
+                    raise FloatingPointError(
+                        f"warm-up: non-finite loss or gradient at steps {skipped} (loss {float(loss):.4g}, "
+                        f"gradient norm {float(gnorm):.4g}); the model was not changed by those steps")
             sched.step()
+            grad_norms.append(float(gnorm))
             losses.append(float(loss.detach()))
             n_tok += sum(len(t) for t in ts)
             if bar is not None:
@@ -177,6 +195,7 @@ def sft_warmup(model, tok, task: Task, items: Sequence[Item], steps: int, lr: fl
     k = max(1, min(5, steps // 4))
     return {"steps": steps, "batch": batch, "lr": lr, "examples": len(items), "target_tokens": n_tok,
             "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k, "losses": losses,
+            "grad_norms": grad_norms, "skipped_steps": skipped,
             "time_s": time.time() - t0, "step_s": (time.time() - t0) / steps,
             "compute_dtype": str(ac).replace("torch.", "") if ac else "float32", "master_dtype": "float32"}
 
