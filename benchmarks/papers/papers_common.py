@@ -616,34 +616,20 @@ def resolve_device(args) -> str:
 # ============================================================================ offline preparation (GPU machine)
 def prepare_offline(asset_dirs: Sequence[str], cache: Path, work: Path, smoke: bool) -> Dict[str, Any]:
     """On a machine without registries (benchmarks/gpu/papers.sh): put the carried assets into ``cache`` in the
-    layout qatfactory.assets reads (pipeline.setup_assets: the SmolLM2 GGUF reassembled from its parts and
-    checked against its provenance sha256, Wikipedia, GSM8K; here also the Austen JSON, sha256 checked), then
+    layout qatfactory.assets reads (staging.setup_assets: the SmolLM2 GGUF reassembled from its parts and
+    checked against its provenance sha256, Wikipedia, GSM8K and the Austen novels, each sha256 checked), then
     turn the GGUF into the local model directory once. Returns what it used; QATFACTORY_CACHE must then be
     ``cache`` for the scripts (papers.sh exports it)."""
-    import shutil
     import types
     sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
-    import pipeline
+    import staging
     from qatfactory import assets
     ns = types.SimpleNamespace(asset_dirs=list(asset_dirs), smoke=smoke, work=str(work))
-    info = {"assets": pipeline.setup_assets(ns, cache)}
-    search = [Path(d) / "assets" / "austen" for d in asset_dirs] + [pipeline.user_cache() / "assets" / "austen"]
-    src = next((d for d in search if (d / assets.AUSTEN_FILE).is_file() and (d / "provenance.json").is_file()), None)
-    if src is None:
-        raise pipeline.PipelineError(f"asset austen: no {assets.AUSTEN_FILE} + provenance.json in "
-                                     f"{[str(d) for d in search]}; run `bash benchmarks/gpu/papers.sh pack` and carry "
-                                     f".gpu/assets")
-    rec = json.loads((src / "provenance.json").read_text())
-    got = assets.sha256_file(src / assets.AUSTEN_FILE)
-    if got != rec["file_sha256"]:
-        raise pipeline.PipelineError(f"asset austen: {src / assets.AUSTEN_FILE} sha256 {got} != provenance "
-                                     f"{rec['file_sha256']}")
-    dst = cache / "assets" / "austen"
-    dst.mkdir(parents=True, exist_ok=True)
-    for n in (assets.AUSTEN_FILE, "provenance.json"):
-        if src != dst:
-            shutil.copyfile(src / n, dst / n)
-    info["assets"]["austen"] = {"file": str(src / assets.AUSTEN_FILE), "sha256": got, "sha256_ok": True}
+    info = {"assets": staging.setup_assets(ns, cache)}
+    if not info["assets"]["austen"].get("sha256_ok"):
+        raise staging.PipelineError(f"asset austen: no {assets.AUSTEN_FILE} + provenance.json in "
+                                    f"{info['assets']['austen'].get('searched')}; run `bash benchmarks/gpu/papers.sh "
+                                    f"pack` and carry .gpu/assets")
     os.environ["QATFACTORY_CACHE"] = str(cache)
     t = time.time()
     info["model_dir"] = str(assets.prepare_model_dir("smollm2"))

@@ -175,7 +175,9 @@ def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: in
     order: List[int] = []
     losses, times, pulled = [], [], []
     model.train()
-    for s in range(steps):
+    from tqdm.auto import tqdm
+    bar = tqdm(range(steps), desc="train", leave=False, mininterval=2.0)
+    for s in bar:
         while len(order) < batch:
             order += torch.randperm(len(data), generator=g).tolist()
         idx, order = order[:batch], order[batch:]
@@ -193,6 +195,8 @@ def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: in
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    bar.close()
     model.eval()
     warm = times[2:] or times
     out = {"loss": losses, "step_s_median": statistics.median(warm), "steps": steps}
