@@ -103,3 +103,25 @@ def test_qerl_calibration_refuses_a_model_that_is_never_right(tmp_path, one_thre
     rec = json.loads((tmp_path / "qerl.json").read_text())
     assert "error" in rec["calibration"] and rec["results"] == []
     assert not (tmp_path / "runs" / "bf16_lora-seed0").exists()      # no arm spent a step
+
+
+def test_an_arm_cut_by_a_time_limit_is_set_aside_on_the_rerun_never_deleted(tmp_path, qerl):
+    """2026-12-06 on the GPU: the NVFP4-LoRA arm was cut at step 24 of 25; the rerun stopped at once on
+    'run_dir already holds a run'. The cut run is ours (its run record), so it is renamed and the arm starts
+    fresh; a folder that is not a run directory stops the rerun and stays as it was."""
+    from qatfactory import _fsutil
+    rd = tmp_path / "runs" / "nvfp4_lora-seed0"
+    rd.mkdir(parents=True)
+    (rd / _fsutil.RUN_RECORD).write_text(json.dumps({"qatfactory_run": 1}))
+    (rd / "metrics.jsonl").write_text("{}\n")
+    assert _fsutil.kind_of(rd) == "run"
+    qerl._set_aside_unfinished(rd)
+    assert not rd.exists()
+    (aside,) = [p for p in rd.parent.iterdir() if p.name.startswith("nvfp4_lora-seed0.cut-")]
+    assert (aside / "metrics.jsonl").read_text() == "{}\n"
+    qerl._set_aside_unfinished(rd)                      # nothing there: nothing happens
+    rd.mkdir()
+    (rd / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="is not a qatfactory run directory"):
+        qerl._set_aside_unfinished(rd)
+    assert (rd / "notes.txt").read_text() == "mine"

