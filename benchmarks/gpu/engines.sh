@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py; issue 16).
 #
-# Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 3 parts, SmolLM2 GGUF parts)
+# Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 4 parts, SmolLM2 GGUF parts)
 #              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)
 #              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier session sent
 #                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
@@ -15,7 +15,8 @@
 #                                                 stacks' wheels and imports every vLLM dependency)   ~1 min
 #   2 carry [.gpu/smollm2.gguf.part-aa, .sglang/sglang.tar.part-01]               62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   3 carry [.gpu/smollm2.gguf.part-ab, .sglang/sglang.tar.part-02]               62.5 MiB
+#   3 carry [.gpu/smollm2.gguf.part-ab, .vllm/vllm.zip.part-ad, .sglang/sglang.tar.part-02]
+#            (part-ad: since 2026-12-06 vLLM's zip is cut in 58 MiB parts; `stage.sh plan` prints the sizes)
 #                                                 bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
 #                                                 students of 4 formats, QAD runs in parallel, the tiny MoE student, 6 exports)
 #   4 carry [.vllm/vllm.zip.part-aa]                                              63.5 MiB
