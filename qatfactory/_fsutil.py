@@ -208,7 +208,9 @@ def recover(target, say=None) -> List[str]:
     * target missing and an ``.old-*`` present: the swap stopped between its two renames; the newest
       ``.old-*`` is the last complete version and is renamed back.
     * ``.tmp-*``: an unfinished write, deleted.
-    * ``.old-*`` with the target present: a finished swap whose clean-up was cut, deleted."""
+    * ``.old-*`` with the target present: a finished swap whose clean-up was cut, deleted.
+    A leftover whose writer may still be writing (its process runs, or it was named on another host) is
+    none of these: it is left alone."""
     target = Path(target)
     say = say or (lambda m: print(f"[qatfactory] {m}", file=sys.stderr, flush=True))
     done: List[str] = []
