@@ -349,7 +349,7 @@ def arm_qat_lora(ck, base_cm, tok, tr, args, device) -> Dict[str, Any]:
     return {"model": m, "run": run, "merge": merge, "sums": sums, "rho": rho(base_cm, deltas)}
 
 
-def arm_scale(ck, base_cm, tok, tr, args, device, style_seed: int = 0) -> Dict[str, Any]:
+def arm_scale(ck, base_cm, tok, tr, args, device, style_seed: int = 0, steps: int = 0) -> Dict[str, Any]:
     from qatfactory import native as N
     from qatfactory.nn import scale_adapter as SA
     m = N.build_model(ck).to(device)
@@ -358,7 +358,7 @@ def arm_scale(ck, base_cm, tok, tr, args, device, style_seed: int = 0) -> Dict[s
     lr = args.scale_lr_nvfp4 if nv else args.scale_lr_mxfp4
     cap = getattr(args, "scale_max_changed_nvfp4" if nv else "scale_max_changed_mxfp4", None)
     cap = SA.default_max_changed(ck.base_format) if cap is None else cap
-    run = sft(m, params, tr, args.steps, args.batch, lr, device, args.seed + style_seed,
+    run = sft(m, params, tr, steps or args.steps, args.batch, lr, device, args.seed + style_seed,
               after_step=lambda: SA.limit_changed(m, cap))
     run["scales"] = SA.scale_stats(m)
     run["lr"], run["max_changed"] = lr, cap
@@ -458,11 +458,13 @@ def _time_remerge(a) -> float:
 
 def _swap(a, ck, tok, items, args, device, out: Path, fmt: str, bdir: Path, ed: Path) -> Dict[str, Any]:
     """A3's task switch: a second adapter ("The answer is N."), then scale bytes copied into the loaded
-    model (from device-resident tensors and from the file) vs reloading the artifact from disk."""
+    model (from device-resident tensors and from the file) vs reloading the artifact from disk. The second
+    adapter is only swapped to, never evaluated, and a scale file's size and copy time do not depend on how
+    long it trained: it trains --swap-task-steps steps (default 16) instead of the arm's full run."""
     from qatfactory import native as N
     from qatfactory.nn import scale_adapter as SA
     tr2 = samples(tok, items["train"], "answer", args.seq_len, out / f"train-answer-{fmt}.jsonl")
-    b = arm_scale(ck, None, tok, tr2, args, device, style_seed=1)
+    b = arm_scale(ck, None, tok, tr2, args, device, style_seed=1, steps=max(1, min(args.swap_task_steps, args.steps)))
     f2 = out / f"task-answer-{fmt}.scales.safetensors"
     N.save_scale_file(b["model"], ck, f2, task="answer")
     f1 = out / f"task-gsm8k-{fmt}.scales.safetensors"
@@ -587,6 +589,8 @@ def main(argv=None) -> int:
                          "fraction; default E4M3_MAX_CHANGED (0.01); 1 = no limit")
     ap.add_argument("--scale-max-changed-mxfp4", type=float, default=None,
                     help="the same on MXFP4's E8M0 grid; default E8M0_MAX_CHANGED (0.001)")
+    ap.add_argument("--swap-task-steps", type=int, default=16,
+                    help="steps of the second (swap-only) scale adapter; at most --steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
