@@ -131,7 +131,9 @@ args_for() {
             [ $p = probe ] && pr="--budget ${PARETOQ_PROBE_STEPS:-30}"
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_split.py --out $d --device cuda --rows-only --bits ${sb%s*} --seed-list ${sb#*s} ${PARETOQ_FRACTIONS:+--fractions $PARETOQ_FRACTIONS} $pr" ;;
         papers)     # issue 21: the four findings
-            echo "${T_PAPERS:-540}|env PRESET=$p bash benchmarks/gpu/papers.sh" ;;
+            # papers.sh stops its own scripts at T_TOTAL (from its start) and then writes the summary: the job's
+            # hard limit sits 30 s behind it, and both inside a 600 s call with methods.sh's own ~15 s of staging
+            echo "${T_PAPERS:-580}|env PRESET=$p T_TOTAL=${T_TOTAL:-550} bash benchmarks/gpu/papers.sh" ;;
         *) echo "unknown|"; return 1 ;;
     esac
 }
