@@ -75,7 +75,7 @@ class QuantLinear(nn.Module):
         epoch = step_cache.current()
         lead = self._group[0]
         if epoch is None:
-            return weight_cache.group_amax_now([m.merged_weight().detach() for m in self._group])
+            return self._group_amax_now()
         if hasattr(self.weight, "ds_id"):
             key = (epoch,)      # ZeRO-3: each gather is new storage; the trainer's epochs alone decide
         else:
@@ -85,9 +85,16 @@ class QuantLinear(nn.Module):
         hit = getattr(lead, "_amax_cache", None)
         if hit is not None and hit[0] == key:
             return hit[1]
-        a = weight_cache.group_amax_now([m.merged_weight().detach() for m in self._group])
+        a = self._group_amax_now()
         lead._amax_cache = (key, a)
         return a
+
+    def _group_amax_now(self) -> torch.Tensor:
+        # under no_grad: with LoRA, merged_weight() would otherwise record B·A in the graph (saving A and B)
+        # only to be detached -- and a cache hit in a gradient-checkpointing recompute would then save
+        # fewer tensors than the original forward did (torch's CheckpointError)
+        with torch.no_grad():
+            return weight_cache.group_amax_now([m.merged_weight() for m in self._group])
 
     def quantized_weight(self) -> torch.Tensor:
         w = self.merged_weight()
