@@ -113,4 +113,3 @@ def test_lean_act_refuses_zero3():
     from qatfactory.train.config import compose
     with pytest.raises(UsageError, match="lean_act=true with train.zero_stage=3"):
         compose(["train.lean_act=true", "train.zero_stage=3"])
-
