@@ -138,3 +138,48 @@ def test_memory_decomposition_sums_to_the_allocator_peak_on_gpu(tmp_path):
         assert sum(r["parts"].values()) + r["other"] == r["measured_peak"]
         assert all(v >= 0 for v in r["parts"].values())
         assert abs(r["other"]) <= 0.5 * r["measured_peak"], r
+
+
+def test_prior_keeps_an_earlier_runs_finished_rows_and_refuses_another_setup(tmp_path, work, one_thread):
+    """--prior: a second call runs only what the first did not finish (here: seed 1), keeps seed 0's rows as they
+    were (marked, and named in the report), and refuses a prior that measured something else before any work."""
+    import seqlen as S
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert S.main(["--smoke", "--seeds", "1", "--out", str(first), "--work", str(work / "prior")]) == 0
+    r1 = json.loads((first / "seqlen.json").read_text())
+    assert S.main(["--smoke", "--seeds", "2", "--out", str(second), "--work", str(work / "prior"),
+                   "--prior", str(first / "seqlen.json")]) == 0
+    res, md = _outputs(second, "seqlen")
+    by = {(r["arm"], r["seed"]): r for r in res["arms"]}
+    assert len(by) == 2 * len(r1["arms"]) and all(r["status"] == "done" for r in by.values())
+    for r in r1["arms"]:
+        kept = by[(r["arm"], 0)]
+        assert kept["prior"]["path"] == str(first / "seqlen.json") and kept["prior"]["date"] == r1["provenance"]["date"]
+        assert kept["eval"] == r["eval"] and kept["seconds"] == r["seconds"]
+        assert "prior" not in by[(r["arm"], 1)]
+    assert res["provenance"]["prior"]["path"] == str(first / "seqlen.json")
+    assert "Kept from an earlier run" in md and f"{r1['arms'][0]['arm']} s0" in md.split("Kept from an earlier run")[1]
+
+    third = tmp_path / "third"
+    with pytest.raises(SystemExit, match=r"it measured something else \(preset differ"):
+        S.main(["--smoke", "--seeds", "2", "--steps", "1", "--out", str(third), "--work", str(work / "prior"),
+                "--prior", str(first / "seqlen.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read it as a result JSON"):
+        S.main(["--smoke", "--out", str(third), "--work", str(work / "prior"), "--prior", str(bad)])
+    assert not (third / "seqlen.json").exists()
+
+
+def test_prior_keeps_lora_memory_probes(tmp_path, work, one_thread):
+    import lora_memory as L
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert L.main(["--smoke", "--seeds", "1", "--no-quality", "--out", str(first), "--work", str(work / "b3p")]) == 0
+    assert L.main(["--smoke", "--seeds", "1", "--no-quality", "--out", str(second), "--work", str(work / "b3p"),
+                   "--prior", str(first / "lora_memory.json")]) == 0
+    r1 = json.loads((first / "lora_memory.json").read_text())
+    r2 = json.loads((second / "lora_memory.json").read_text())
+    assert len(r2["memory"]) == 6 and all(m["prior"]["date"] == r1["provenance"]["date"] for m in r2["memory"])
+    assert [m["counted"] for m in r2["memory"]] == [m["counted"] for m in r1["memory"]]
+    md = (second / "lora_memory.md").read_text()
+    assert md.count(" (prior) |") == 6 and "(prior) = kept from an earlier run" in md

@@ -21,7 +21,9 @@
 #
 # Knobs: T_TOTAL (seconds for the whole `run`, default 560 on a GPU: the device call may run 600), ONLY (which
 # scripts, default all four), SEEDS (2), THREADS (CPU threads per script, 4), ARGS (extra arguments for every
-# script, e.g. "--steps 100"), WORK (/tmp/qf-papers), OUT ($PWD/gpu_out), DEVICE (cuda), SMOKE, SMOKE_MODEL.
+# script, e.g. "--steps 100"), WORK (/tmp/qf-papers), OUT ($PWD/gpu_out), DEVICE (cuda), SMOKE, SMOKE_MODEL,
+# PRIOR (a folder of an earlier call's <script>.json, e.g. benchmarks/results/h100_20261206/papers: each script
+# with a JSON there keeps its finished rows and runs only the rest -- `--prior`, which refuses other settings).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -32,6 +34,7 @@ SMOKE_MODEL=${SMOKE_MODEL:-tiny}
 SEEDS=${SEEDS:-2}
 ONLY=${ONLY:-"qad_vs_qat format_modes seqlen lora_memory"}
 ARGS=${ARGS:-}
+PRIOR=${PRIOR:-}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 if [ -n "$SMOKE" ] && [ -x .venv/bin/python ]; then
@@ -87,9 +90,13 @@ case $cmd in
         for s in $ONLY; do
             # one process group per script: a port each, so four starts at once never pick the same free port
             port=$((port + 1))
+            prior=()
+            if [ -n "$PRIOR" ]; then
+                [ -f "$PRIOR/$s.json" ] && prior=(--prior "$PRIOR/$s.json") || echo "== $s: no $PRIOR/$s.json, every arm runs"
+            fi
             MASTER_PORT=$port OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout -k 10 "$left" $PY "benchmarks/papers/$s.py" \
                 --out "$OUT/papers" --work "$WORK/$s" --device "$DEVICE" --seeds "$SEEDS" --budget-s "$budget" \
-                "${model[@]}" $ARGS > "$OUT/papers/$s.log" 2>&1 &
+                "${model[@]}" "${prior[@]}" $ARGS > "$OUT/papers/$s.log" 2>&1 &
             pids+=($!)
         done
         rc=0

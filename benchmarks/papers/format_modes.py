@@ -71,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     arms = [x for x in ARMS if x["fmt"] in fmts]
     res: Dict[str, Any] = {"smoke": a.smoke, "preset": p, "formats": fmts,
                            "provenance": C.provenance(C.model_record(a.smoke, a.model_path), data, seeds, a.device)}
+    prior = C.load_prior(a.prior, res)
     import torch
 
     from qatfactory.train.config import compose
@@ -104,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 C.free(m)
         return r
 
-    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG)
+    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG, prior)
 
 
 def _kl(results, arm, ev_mode="w4a4", split="wiki_ho"):

@@ -236,6 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     seeds = list(range(a.seeds))
     res: Dict[str, Any] = {"smoke": a.smoke, "preset": p, "format": FORMAT, "memory": [], "arms": [],
                            "provenance": C.provenance(C.model_record(a.smoke, a.model_path), data, seeds, a.device)}
+    prior = C.load_prior(a.prior, res)
+    kept_mem = {(r["arm"], r["config"]): r for r in C.kept_rows(prior, "memory")}
 
     def save(_=None):
         res["verdicts"] = verdicts(res)
@@ -244,6 +246,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not a.no_memory:
         for mem in p["mem"]:
             for arm in ARMS:
+                if (arm["name"], mem["name"]) in kept_mem:
+                    C.say(TAG, f"memory {arm['name']} config {mem['name']}: kept from the prior run")
+                    res["memory"].append(kept_mem[(arm["name"], mem["name"])])
+                    continue
                 if not budget.fits(30.0 if not a.smoke else 1.0):
                     res["memory"].append({"arm": arm["name"], "config": mem["name"], "status": "not run (time budget)"})
                     continue
@@ -276,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["arms"] = results
             save()
 
-        C.run_schedule(ARMS, seeds, budget, one, saved, TAG)
+        C.run_schedule(ARMS, seeds, budget, one, saved, TAG, keep=C.kept_rows(prior, "arms"))
     save()
     print((a.out / f"{TAG}.md").read_text())
     return 1 if C.failures(res.get("arms", []) + res["memory"]) else 0
@@ -322,7 +328,8 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             continue
         parts = m.get("parts") or {}
         c = m["counted"]
-        mrows.append([m["arm"], m["config"], f"{m['micro']} x {m['seq']}{' ckpt' if m['grad_ckpt'] else ''}",
+        mrows.append([m["arm"], m["config"] + (" (prior)" if m.get("prior") else ""),
+                      f"{m['micro']} x {m['seq']}{' ckpt' if m['grad_ckpt'] else ''}",
                       f"{m['trainable_params']:,}"]
                      + [_mib(parts.get(k, c.get(k))) for k in PARTS]
                      + [_mib(c.get("activations_saved")), _mib(m.get("measured_peak")), _mib(m.get("other")),
@@ -333,6 +340,8 @@ def report(out: Path, res: Dict[str, Any]) -> None:
               "parts (they do not all coexist). On a CPU only the counted columns are filled.", "",
               C.md_table(["arm", "config", "micro x seq", "trainable"] + list(PARTS) +
                          ["saved", "measured peak", "other", "trainer peak"], mrows), ""]
+    kept = sorted({(m["prior"].get("date"), m["prior"].get("device")) for m in res["memory"] if m.get("prior")})
+    lines += [f"(prior) = kept from an earlier run: {', '.join(f'{d}, {g}' for d, g in kept)}.", ""] if kept else []
     rows = []
     for arm in ARMS:
         n = arm["name"]

@@ -490,27 +490,37 @@ class ArmLog:
 
 
 def run_and_report(arms: Sequence[Dict[str, Any]], seeds: Sequence[int], budget: Budget, fn: Callable,
-                   res: Dict[str, Any], verdicts: Callable, report: Callable, out: Path, tag: str) -> int:
+                   res: Dict[str, Any], verdicts: Callable, report: Callable, out: Path, tag: str,
+                   prior: Optional[Dict[str, Any]] = None) -> int:
     """A paper script's whole run: the report written before the first arm (an empty table) and again after
-    each one (arms, verdicts), then printed; exit code 1 when an arm failed."""
+    each one (arms, verdicts), then printed; exit code 1 when an arm failed. ``prior`` (load_prior): its
+    finished (arm, seed) rows are kept, not run again."""
     def save(results):
         res["arms"] = results
         res["verdicts"] = verdicts(res)
         report(out, res)
 
     save([])
-    run_schedule(arms, seeds, budget, fn, save, tag)
+    run_schedule(arms, seeds, budget, fn, save, tag, keep=kept_rows(prior, "arms"))
     print((out / f"{tag}.md").read_text())
     return 1 if failures(res.get("arms", [])) else 0
 
 
 def run_schedule(arms: Sequence[Dict[str, Any]], seeds: Sequence[int], budget: Budget, fn: Callable,
-                 on_done: Callable, tag: str, default_estimate: float = 60.0) -> List[Dict[str, Any]]:
+                 on_done: Callable, tag: str, default_estimate: float = 60.0,
+                 keep: Sequence[Dict[str, Any]] = ()) -> List[Dict[str, Any]]:
     """Run ``fn(arm, seed)`` for every arm at the first seed, then every arm at the next seed..., so a run cut
-    by the budget still has each arm once. Skipped (arm, seed) pairs are returned as ``not run`` records."""
+    by the budget still has each arm once. Skipped (arm, seed) pairs are returned as ``not run`` records; a
+    pair with a row in ``keep`` (an earlier run's, kept_rows) takes that row instead of running."""
     log, results = ArmLog(), []
+    kept = {(r["arm"], r["seed"]): r for r in keep}
     for seed in seeds:
         for arm in arms:
+            if (arm["name"], seed) in kept:
+                say(tag, f"{arm['name']} seed {seed}: kept from the prior run")
+                results.append(kept[(arm["name"], seed)])
+                on_done(results)
+                continue
             est = log.estimate(arm.get("kind", arm["name"]), default_estimate)
             if not budget.fits(est):
                 say(tag, f"{arm['name']} seed {seed}: not run (about {est:.0f} s needed, {budget.left():.0f} s left)")
@@ -539,9 +549,55 @@ def failures(results: Sequence[Dict[str, Any]]) -> List[str]:
     return [f"{r['arm']} s{r['seed']}: {r['status']}" for r in results if str(r.get("status", "")).startswith("failed")]
 
 
+def load_prior(path: Optional[Path], res: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """--prior: an earlier run of the same script, read only if it measured the same thing -- the same preset,
+    formats, smoke flag, model package and training/evaluation files (sha256); anything else stops the run
+    with what differs, before any work. Its rows are then marked with where they came from."""
+    if path is None:
+        return None
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--prior {path}: cannot read it as a result JSON ({e}); nothing was run") from None
+    if not isinstance(d, dict) or not isinstance(d.get("provenance"), dict):
+        raise SystemExit(f"--prior {path}: not a result JSON of these scripts (no provenance); nothing was run")
+    norm = lambda v: json.loads(json.dumps(v))                      # noqa: E731 - tuples as the JSON has them
+    differs = [k for k in ("smoke", "preset", "format", "formats") if norm(res.get(k)) != d.get(k)]
+    pp, rp = d["provenance"], res["provenance"]
+    if (pp.get("data") or {}).get("sha256") != norm(rp["data"].get("sha256")):
+        differs.append("data files (sha256)")
+    if (pp.get("model") or {}).get("package") != norm(rp["model"].get("package")) or \
+            (pp.get("model") or {}).get("name") != rp["model"].get("name"):
+        differs.append("model")
+    if differs:
+        raise SystemExit(f"--prior {path}: it measured something else ({', '.join(differs)} differ from this "
+                         "run's); nothing was run")
+    mark = {"path": str(path), "date": pp.get("date"), "device": pp.get("device"),
+            "commit": (pp.get("versions") or {}).get("qatfactory_commit")}
+    rp["prior"] = mark
+    for key in ("arms", "memory"):
+        for r in d.get(key) or []:
+            if r.get("status") == "done" and not r.get("prior"):
+                r["prior"] = mark
+    return d
+
+
+def kept_rows(prior: Optional[Dict[str, Any]], key: str) -> List[Dict[str, Any]]:
+    """The finished rows of a loaded prior run (load_prior) under ``key`` ("arms", or lora_memory's "memory")."""
+    return [r for r in (prior or {}).get(key) or [] if r.get("status") == "done"]
+
+
 def status_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
     """Report lines naming the (arm, seed) pairs that did not run or failed."""
     out = []
+    runs: Dict[tuple, List[str]] = {}
+    for r in results:
+        if r.get("prior"):
+            p = r["prior"]
+            runs.setdefault((p.get("date"), p.get("device"), p.get("path")), []).append(f"{r['arm']} s{r['seed']}")
+    for (date, device, path), rows in runs.items():
+        out += ["", f"Kept from an earlier run ({date}, {device}, `--prior {path}`): {', '.join(rows)}; "
+                    "their ms/step are that run's."]
     skipped = [f"{r['arm']} s{r['seed']}" for r in results if r.get("status") == "not run (time budget)"]
     if skipped:
         out += ["", f"Not run (time budget): {', '.join(skipped)}."]
@@ -604,6 +660,9 @@ def base_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the preset's)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting arms after this many seconds; "
                     "the rest are reported as not run")
+    ap.add_argument("--prior", type=Path, default=None, help="an earlier run's <name>.json with the same settings: "
+                    "its finished rows are kept (and marked) instead of run again, so a second call runs only what "
+                    "the first did not finish")
 
 
 def resolve_device(args) -> str:

@@ -186,7 +186,8 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def f(v):
         if isinstance(v, float):
             return "nan" if v != v else (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.3e}")
-        return str(v)
+        # a cell is one line with no column break (an error message may hold both)
+        return " ".join(str(v).split()).replace("|", "\\|")
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(f(v) for v in r) + " |" for r in rows]
     return "\n".join(out)

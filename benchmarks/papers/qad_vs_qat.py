@@ -89,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     seeds = list(range(a.seeds))
     res: Dict[str, Any] = {"smoke": a.smoke, "preset": p, "format": FORMAT,
                            "provenance": C.provenance(C.model_record(a.smoke, a.model_path), data, seeds, a.device)}
+    prior = C.load_prior(a.prior, res)
     import torch
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     teacher, tok, vocab = C.load_teacher(a.smoke, a.model_path, a.device)
@@ -111,7 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         r["eval"] = C.student_eval(run_dir, ev, dtype, a.device)
         return r
 
-    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG)
+    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG, prior)
 
 
 def _v(results, arm, split, key):

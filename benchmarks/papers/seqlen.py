@@ -63,6 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     seeds = list(range(a.seeds))
     res: Dict[str, Any] = {"smoke": a.smoke, "preset": p, "format": FORMAT,
                            "provenance": C.provenance(C.model_record(a.smoke, a.model_path), data, seeds, a.device)}
+    prior = C.load_prior(a.prior, res)
     import torch
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     teacher, tok, _ = C.load_teacher(a.smoke, a.model_path, a.device)
@@ -78,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return {"eval": C.student_eval(run_dir, ev, dtype, a.device), "step_ms": C.step_ms(run_dir),
                 "tokens": s.get("tokens"), "micro_batch": p["tokens_per_step"] // arm["seq"]}
 
-    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG)
+    return C.run_and_report(arms, seeds, budget, one, res, verdicts, report, a.out, TAG, prior)
 
 
 def _bucket_names(p) -> List[str]:
