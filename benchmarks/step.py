@@ -444,6 +444,11 @@ def report(order, runs, notes, args, versions_line=None) -> str:
              for rs in runs.values() for r in rs if (r.get("mem_before_gib") or 0) > 0.05]
     if leaks:
         notes = notes + ["memory still allocated when a job started (a leak from an earlier job): " + "; ".join(leaks)]
+    swaps = [f"{r['variant']} (round {r['round']}): {r['mem_after_gib']:.2f} GiB"
+             for rs in runs.values() for r in rs if r.get("worker_restarted")]
+    if swaps:
+        notes = notes + ["jobs that left memory allocated after they ended (their worker was replaced before the "
+                         "next job): " + "; ".join(swaps)]
     if notes:
         L += ["", "notes:"] + [f"- {n}" for n in notes]
     return "\n".join(L), rows
@@ -455,7 +460,7 @@ def remake_report(path: Path, out_dir) -> int:
     a = argparse.Namespace(**d["args"])
     order = [(r["kind"], r["variant"]) for r in d["rows"]]
     runs = {r["variant"]: (r.get("runs") or [{k: r[k] for k in ("error", "not_run") if k in r}]) for r in d["rows"]}
-    notes = [n for n in d.get("notes", []) if not n.startswith("memory still allocated")]
+    notes = [n for n in d.get("notes", []) if not n.startswith(("memory still allocated", "jobs that left memory"))]
     md, rows = report(order, runs, notes, a, versions_line=d.get("versions") or "")
     if out_dir is None:
         print(md)

@@ -5,9 +5,11 @@ before its first step; the table needs every variant run several times, interlea
 keeps two worker processes (ours: the trainer; peer: benchmarks/step_peers.py's plain loops and Model
 Optimizer, never in the same process as our code) and sends them one job at a time over stdin; a worker
 frees everything between jobs (gc, empty_cache) and reports the memory still allocated before each job
-(``mem_before_gib``: a leak would show there), so peak memory stays per variant. Only one job runs at a
-time. A worker that dies or overruns its job's time limit is killed (it is our own child) and restarted,
-and the row says why.
+(``mem_before_gib``) and after it (``mem_after_gib``), so peak memory stays per variant. A job that leaves
+more than ``LEAK_GIB`` allocated after the free (the H100 MoE run of 2026-12-06: 30 GiB after every Model
+Optimizer job, which the next jobs of both workers then lacked) ends its worker: the row says so and the next
+job starts a fresh process. Only one job runs at a time. A worker that dies or overruns its job's time limit
+is killed (it is our own child) and restarted, and the row says why.
 
 Rounds: every job once per round, ours and peers alternating, rounds repeated until ``--repeat`` or
 until the ``--budget`` (seconds) would be exceeded by the next job (estimated from its first round),
@@ -29,6 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+LEAK_GIB = 1.0          # allocated after a job's free beyond this: the worker is replaced before the next job
 
 
 def _free_device() -> float:
@@ -43,8 +46,9 @@ def _free_device() -> float:
     return 0.0
 
 
-def serve(kind: str, run_job) -> int:
-    """The worker loop: a JSON job per stdin line -> one ``ROW {...}`` line on stdout."""
+def serve(kind: str, run_job, free=_free_device) -> int:
+    """The worker loop: a JSON job per stdin line -> one ``ROW {...}`` line on stdout. After a job that leaked
+    (more than LEAK_GIB still allocated once freed) the row carries ``worker_restarted`` and the loop ends."""
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -53,7 +57,7 @@ def serve(kind: str, run_job) -> int:
         if job.get("exit"):
             break
         t0 = time.time()
-        before = _free_device()
+        before = free()
         try:
             row = run_job(job)
         except Exception as e:   # a failed variant is a row, not a dead worker
@@ -61,9 +65,13 @@ def serve(kind: str, run_job) -> int:
             row = {"variant": job["name"], "error": f"{type(e).__name__}: {e}"[-600:]}
         row["mem_before_gib"] = before
         row["job_s"] = time.time() - t0
-        _free_device()
+        after = row["mem_after_gib"] = free()
+        if after > LEAK_GIB:
+            row["worker_restarted"] = f"{after:.2f} GiB still allocated after the job: {kind} worker replaced"
         sys.stderr.flush()
         print("ROW " + json.dumps(row), flush=True)
+        if after > LEAK_GIB:
+            break
     return 0
 
 
@@ -115,7 +123,10 @@ class Worker:
                 self.stop()
                 return {"variant": job["name"], "error": f"{self.kind} worker died: {self._tail()}"}
             if line.startswith("ROW "):
-                return json.loads(line[4:])
+                row = json.loads(line[4:])
+                if row.get("worker_restarted"):
+                    self.stop()       # it is exiting: wait for it, so the next job starts a fresh one
+                return row
 
     def stop(self) -> None:
         p, self.proc = self.proc, None
