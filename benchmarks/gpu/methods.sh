@@ -30,7 +30,8 @@
 #        above 0.05 s/step in the probe, run it as two calls: PARETOQ_FRACTIONS=0,0.05,0.1 then =0.2,0.4,1)
 #   3  PRESET=probe bash benchmarks/gpu/methods.sh run paretoq4 paretoq2      (~4 min: step_ms of the C1 arms)
 #   4  bash benchmarks/gpu/methods.sh run paretoq_pilot      (2 x 300 steps, ~3-5 min); its JSON says "chosen":
-#        every later job below 3 bits takes PARETOQ_LR_LO=<chosen> (default 2e-5, the pilot's first candidate)
+#        every later job below 3 bits takes PARETOQ_LR_LO=<chosen> (default 1e-4: the H100 pilot of 2026-12-06 chose
+#        it over 2e-5, CE 5.43 vs 6.79 after 300 steps; results/h100_20261206/paretoq_pilot.json) -- DONE once
 #   5  bash benchmarks/gpu/methods.sh run paretoq4 paretoq3  (the unquantized row + 500 + 500 steps, ~5-8 min)
 #   6  PARETOQ_LR_LO=.. bash benchmarks/gpu/methods.sh run paretoq2     (1,500 steps, ~4-8.5 min)
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
@@ -117,9 +118,9 @@ args_for() {
                 paretoq_pilot) a="$a --pilot-only --no-teacher" ;;
                 paretoq4)      a="$a --bits 4" ;;                   # + the unquantized row (teacher)
                 paretoq3)      a="$a --bits 3 --no-teacher" ;;
-                paretoq2)      a="$a --bits 2 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
-                paretoq158)    a="$a --bits 1.58 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
-                paretoq1)      a="$a --bits 1 --no-teacher --lr-lo ${PARETOQ_LR_LO:-2e-5}" ;;
+                paretoq2)      a="$a --bits 2 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
+                paretoq158)    a="$a --bits 1.58 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
+                paretoq1)      a="$a --bits 1 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
             esac
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_bits.py $a $pr" ;;
         paretoq_seqlsq_seq0|paretoq_seqlsq_lsq0|paretoq_seqlsq_seq1|paretoq_seqlsq_lsq1)   # issue 19, 2-bit SEQ vs LSQ
