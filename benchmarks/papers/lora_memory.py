@@ -89,14 +89,18 @@ def _bytes(ts) -> int:
 
 
 def _warm_cublas(dev) -> None:
-    """Lazily made runtime memory goes into the baseline, not into the parts: cuBLAS takes its workspace (32 MiB
-    per stream on Hopper) from the caching allocator at the first matmul after empty_cache(). On an H100 the
-    smoke's 'other' was 31.7 MiB of a 34.8 MiB peak (2026-12-06), which this is believed to be (not yet re-run)."""
+    """Lazily made runtime memory goes into the baseline, not into the parts. On an H100 (2026-12-06) the smoke's
+    'other' was 31.7 of 34.8 MiB, to the byte the same with and without a plain forward matmul here, so it is not
+    the forward thread's cuBLAS workspace. The next suspect: autograd runs the backward on its own device thread,
+    whose cuBLAS handle takes a workspace (32 MiB per handle and stream on Hopper) from the caching allocator.
+    So this also runs a backward, in both dtypes. Not yet confirmed on a GPU."""
     import torch
-    x = torch.ones(16, 16, device=dev)
+    x = torch.ones(16, 16, device=dev, requires_grad=True)
     for dt in (torch.float32, torch.bfloat16):
-        (x.to(dt) @ x.to(dt)).sum().item()
-    del x
+        y = x.to(dt)
+        (y @ y).float().sum().backward()
+    torch.cuda.synchronize()
+    del x, y
 
 
 def probe(a, p, data, arm, mem) -> Dict[str, Any]:
