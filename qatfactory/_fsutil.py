@@ -12,6 +12,8 @@ save_student, the trainer's checkpoints and run directories.
     teacher_cache  meta.json with "qatfactory_teacher_cache" (distill.teachers.precompute_topk; caches
              written before that key have "renormalisation", which only that writer puts there)
     asset    qatfactory_provenance.json                  (assets.prepare_model_dir / prepare_tokenizer_dir)
+    adapter  qatfactory_adapter.json with "qatfactory_adapter" (nn.adapter.save_peft_adapter; a PEFT
+             adapter_config.json alone is anybody's)
 
 or is empty. Anything else is somebody else's and is never deleted or replaced.
 
@@ -48,7 +50,8 @@ WARMUP_RECORD = "qatfactory_warmup.json"
 TEACHER_CACHE_RECORD = "meta.json"
 TEACHER_CACHE_KEY = "qatfactory_teacher_cache"
 ASSET_RECORD = "qatfactory_provenance.json"
-KINDS = ("export", "student", "run", "warmup", "teacher_cache", "asset")
+ADAPTER_RECORD = "qatfactory_adapter.json"
+KINDS = ("export", "student", "run", "warmup", "teacher_cache", "asset", "adapter")
 
 
 class NotOursError(FileExistsError):
@@ -110,6 +113,9 @@ def kind_of(path) -> Optional[str]:
         return "teacher_cache"
     if (p / ASSET_RECORD).is_file() and not (p / ASSET_RECORD).is_symlink():
         return "asset"
+    if (p / ADAPTER_RECORD).is_file() and not (p / ADAPTER_RECORD).is_symlink() and \
+            _has_json_key(p / ADAPTER_RECORD, "qatfactory_adapter"):
+        return "adapter"
     return None
 
 
@@ -118,6 +124,7 @@ _DESCRIBE = {"export": "a qatfactory export", "student": "a qatfactory student d
              "warmup": "a qatfactory RL warm-up model directory",
              "teacher_cache": "a qatfactory top-k teacher cache (meta.json + shards)",
              "asset": "a model or tokenizer directory qatfactory made from a packaged asset",
+             "adapter": "a LoRA adapter directory qatfactory wrote (save_peft_adapter)",
              None: "not written by qatfactory"}
 
 

@@ -165,9 +165,23 @@ def test_peft_loads_the_adapter_onto_the_decoded_base_and_reproduces_the_student
     # an existing directory that is not an adapter is never replaced
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "x.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not an adapter directory"):
+    with pytest.raises(FileExistsError, match="not written by qatfactory"):
         A.save_peft_adapter(m, str(tmp_path / "keep"))
     assert (tmp_path / "keep" / "x.txt").read_text() == "mine"
+    # nor is somebody else's PEFT adapter (adapter_config.json without our record), extra files and all
+    theirs_dir = tmp_path / "their_adapter"
+    theirs_dir.mkdir()
+    (theirs_dir / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (theirs_dir / "README.md").write_text("trained elsewhere")
+    with pytest.raises(FileExistsError, match="not written by qatfactory.*Nothing was changed"):
+        A.save_peft_adapter(m, str(theirs_dir))
+    assert sorted(p.name for p in theirs_dir.iterdir()) == ["README.md", "adapter_config.json"]
+    # ours carries its record, and is replaced by the next save
+    rec = json.loads((tmp_path / "adapter" / "qatfactory_adapter.json").read_text())["qatfactory_adapter"]
+    assert rec["r"] == 4 and rec["base_model"] == str(base_dir)
+    A.save_peft_adapter(m, str(tmp_path / "adapter"))
+    assert PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32),
+                                     str(tmp_path / "adapter")) is not None
 
 
 def test_merge_into_quant_ships_q_of_w_plus_delta():
@@ -226,7 +240,8 @@ def test_adapter_save_is_a_swap_a_kill_cannot_lose_and_a_link_is_refused(tmp_pat
     real = tmp_path / "real"
     real.mkdir()
     (real / "adapter_config.json").write_text("{}")
+    (real / "qatfactory_adapter.json").write_text('{"qatfactory_adapter": {}}')
     (tmp_path / "link").symlink_to(real)
-    with pytest.raises(FileExistsError, match="not an adapter directory"):
+    with pytest.raises(FileExistsError, match="symbolic link"):
         A.save_peft_adapter(m, str(tmp_path / "link"))
     assert (real / "adapter_config.json").read_text() == "{}"

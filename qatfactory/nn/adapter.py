@@ -27,8 +27,6 @@ import contextlib
 import fnmatch
 import json
 import os
-import shutil
-from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -177,24 +175,20 @@ def peft_config(model: nn.Module, base_model: Optional[str] = None) -> Dict:
 
 def save_peft_adapter(model: nn.Module, out_dir: str, base_model: Optional[str] = None,
                       dtype: Optional[torch.dtype] = None) -> str:
-    """adapter_config.json + adapter_model.safetensors, written to a temporary directory beside
-    ``out_dir`` and renamed into place; an existing ``out_dir`` must be such an adapter directory."""
+    """adapter_config.json + adapter_model.safetensors (what peft, vLLM and SGLang read) and our record,
+    qatfactory_adapter.json, written to a temporary directory beside ``out_dir`` and swapped into place.
+    An existing ``out_dir`` is replaced only when it is empty or an adapter this function wrote (its
+    record); anybody else's directory -- a PEFT adapter from another tool included -- is left as it is
+    (NotOursError, nothing changed)."""
     out_dir = os.path.abspath(out_dir)
-    out = Path(out_dir)
-    _fsutil.recover(out)          # a replace cut by a kill: the last complete adapter is put back first
-    if out.is_symlink() or (out.exists() and not (out / "adapter_config.json").is_file()):
-        raise FileExistsError(f"save_peft_adapter: {out_dir} exists and is not an adapter directory; "
-                              f"refusing to replace it")
     cfg = peft_config(model, base_model)
     tensors = peft_tensors(model, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(_fsutil.make_tmp_dir(out))
-    try:
+    record = {"qatfactory_adapter": {"base_model": base_model, "r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
+                                     "tensors": len(tensors)}}
+    with _fsutil.atomic_dir(out_dir, replace=True, kinds=("adapter",), what="save_peft_adapter") as tmp:
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        _fsutil.swap_in(tmp, out)   # the old one moved aside, the new one renamed in, the old one deleted
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with open(os.path.join(tmp, _fsutil.ADAPTER_RECORD), "w") as f:
+            json.dump(record, f, indent=2)
     return out_dir
