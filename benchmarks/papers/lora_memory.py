@@ -20,6 +20,8 @@ optimizer keeps them), phase by phase:
 * activations: allocator growth over the forward (what autograd keeps for the backward, plus the teacher's
   hidden states); the bytes autograd saved are also counted through saved-tensor hooks, on any device;
 * logits: the forward's peak above its end (the chunked loss's transient logits and softmax);
+* gemm_workspace: the transient peak of one small matmul forward and backward on the device (what the GEMM
+  library takes per call from the allocator; measured before the step, GPU only);
 * measured peak: torch.cuda.max_memory_allocated over the step; ``other`` = measured peak - the sum of
   the parts (the parts do not all live at the same moment, so ``other`` can be negative);
 * the trainer's own peak (torch.cuda.max_memory_allocated over a 2-step run of ``engine.run`` with the same
@@ -42,7 +44,7 @@ TAG = "lora_memory"
 FORMAT = "nvfp4_w4a16"
 ARMS = [{"name": "full_qad", "rank": 0, "kind": "train"}, {"name": "lora_r16", "rank": 16, "kind": "train"},
         {"name": "lora_r256", "rank": 256, "kind": "train"}]
-PARTS = ("weights", "masters", "optimizer", "grads", "activations", "logits")
+PARTS = ("weights", "masters", "optimizer", "grads", "activations", "logits", "gemm_workspace")
 
 
 def preset(smoke: bool) -> Dict[str, Any]:
@@ -88,19 +90,24 @@ def _bytes(ts) -> int:
     return n
 
 
-def _warm_cublas(dev) -> None:
-    """Lazily made runtime memory goes into the baseline, not into the parts. On an H100 (2026-12-06) the smoke's
-    'other' was 31.7 of 34.8 MiB, to the byte the same with and without a plain forward matmul here, so it is not
-    the forward thread's cuBLAS workspace. The next suspect: autograd runs the backward on its own device thread,
-    whose cuBLAS handle takes a workspace (32 MiB per handle and stream on Hopper) from the caching allocator.
-    So this also runs a backward, in both dtypes. Not yet confirmed on a GPU."""
+def _gemm_workspace(dev) -> int:
+    """Bytes the allocator hands out at the peak of a 64 x 64 matmul's forward and backward, in float32 and
+    bfloat16, beyond what was allocated before: the GEMM library's transient workspace (plus ~0.1 MiB of the
+    matmul's own tensors). On an H100 (2026-12-06) the smoke's 'other' was 31.7 of 34.8 MiB, the same to the
+    byte with a forward matmul run before the baseline, so it is not a workspace made once and kept: it is
+    taken per call, which this measures and the probe reports as its own part."""
     import torch
-    x = torch.ones(16, 16, device=dev, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    m0 = torch.cuda.memory_allocated()
+    x = torch.ones(64, 64, device=dev, requires_grad=True)
     for dt in (torch.float32, torch.bfloat16):
         y = x.to(dt)
         (y @ y).float().sum().backward()
     torch.cuda.synchronize()
+    ws = torch.cuda.max_memory_allocated() - m0
     del x, y
+    return ws
 
 
 def probe(a, p, data, arm, mem) -> Dict[str, Any]:
@@ -122,9 +129,10 @@ def probe(a, p, data, arm, mem) -> Dict[str, Any]:
             return torch.cuda.memory_allocated()
         return None
 
+    workspace = None
     if cuda:
         torch.cuda.empty_cache()
-        _warm_cublas(dev)
+        workspace = _gemm_workspace(dev)
         torch.cuda.reset_peak_memory_stats()
     base = alloc()
     model, _, _ = build_model(cfg, dev)
@@ -195,7 +203,7 @@ def probe(a, p, data, arm, mem) -> Dict[str, Any]:
     if cuda:
         parts = {"weights": after_w - base, "masters": parts_counted["masters"],
                  "optimizer": parts_counted["optimizer"], "grads": grads_b, "activations": a1 - a0,
-                 "logits": peak_fwd - a1}
+                 "logits": peak_fwd - a1, "gemm_workspace": workspace}
         peak = max(peak_fwd, peak_bwd, peak_step) - base
         r.update(parts=parts, measured_peak=peak, other=peak - sum(parts.values()),
                  phases={"after_weights": after_w - base, "after_optimizer_state": after_opt - base,
@@ -212,7 +220,6 @@ def trainer_peak(a, p, data, arm, mem, work) -> Optional[float]:
     if a.device != "cuda":
         return None
     C.free()
-    _warm_cublas(torch.device("cuda"))
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     o = arm_overrides(a, p, data, arm, 0, work / f"mem-{arm['name']}-{mem['name']}", mem["micro"], mem["seq"],
@@ -328,7 +335,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     mrows = []
     for m in res["memory"]:
         if m.get("status") != "done":
-            mrows.append([m["arm"], m["config"], m["status"]] + ["-"] * 10)
+            mrows.append([m["arm"], m["config"], m["status"]] + ["-"] * (len(PARTS) + 5))
             continue
         parts = m.get("parts") or {}
         c = m["counted"]
@@ -340,8 +347,9 @@ def report(out: Path, res: Dict[str, Any]) -> None:
                         _mib(m.get("trainer_peak"))])
     lines += ["## Peak memory, MiB", "",
               "weights / activations / logits: allocator deltas (GPU); masters / optimizer / grads: counted bytes; "
-              "'saved' = bytes autograd kept, counted with saved-tensor hooks; 'other' = measured peak - sum of the six "
-              "parts (they do not all coexist). On a CPU only the counted columns are filled.", "",
+              "gemm_workspace: a small matmul's transient peak (GPU); 'saved' = bytes autograd kept, counted with "
+              "saved-tensor hooks; 'other' = measured peak - sum of the seven parts (they do not all coexist). On a "
+              "CPU only the counted columns are filled.", "",
               C.md_table(["arm", "config", "micro x seq", "trainable"] + list(PARTS) +
                          ["saved", "measured peak", "other", "trainer peak"], mrows), ""]
     kept = sorted({(m["prior"].get("date"), m["prior"].get("device")) for m in res["memory"] if m.get("prior")})
