@@ -87,10 +87,14 @@ _SRC: Dict[str, Path] = {}
 
 
 def source_dir() -> Path:
-    """One tokenizer/base-model directory per test session."""
+    """One tokenizer/base-model directory per test session, removed when the session ends (it was left in /tmp
+    by every run before)."""
     if "src" not in _SRC:
+        import atexit
+        import shutil
         import tempfile
         d = Path(tempfile.mkdtemp(prefix="qf-export-src-"))
+        atexit.register(shutil.rmtree, d, True)
         build_tokenizer(d)
         (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
         _SRC["src"] = d
