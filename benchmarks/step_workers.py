@@ -66,11 +66,12 @@ def serve(kind: str, run_job, free=_free_device) -> int:
         row["mem_before_gib"] = before
         row["job_s"] = time.time() - t0
         after = row["mem_after_gib"] = free()
-        if after > LEAK_GIB:
+        leaked = after > LEAK_GIB
+        if leaked:
             row["worker_restarted"] = f"{after:.2f} GiB still allocated after the job: {kind} worker replaced"
         sys.stderr.flush()
         print("ROW " + json.dumps(row), flush=True)
-        if after > LEAK_GIB:
+        if leaked:
             break
     return 0
 

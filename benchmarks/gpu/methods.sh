@@ -31,7 +31,7 @@
 #   3  PRESET=probe bash benchmarks/gpu/methods.sh run paretoq4 paretoq2      (~4 min: step_ms of the C1 arms)
 #   4  bash benchmarks/gpu/methods.sh run paretoq_pilot      (2 x 300 steps, ~3-5 min); its JSON says "chosen":
 #        every later job below 3 bits takes PARETOQ_LR_LO=<chosen> (default 1e-4: the H100 pilot of 2026-12-06 chose
-#        it over 2e-5, CE 5.43 vs 6.79 after 300 steps; results/h100_20261206/paretoq_pilot.json) -- DONE once
+#        it over 2e-5, CE 5.43 vs 6.79 after 300 steps; results/h100_20261206/paretoq_pilot.json; no need to rerun it)
 #   5  bash benchmarks/gpu/methods.sh run paretoq4 paretoq3  (the unquantized row + 500 + 500 steps, ~5-8 min)
 #   6  PARETOQ_LR_LO=.. bash benchmarks/gpu/methods.sh run paretoq2     (1,500 steps, ~4-8.5 min)
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)

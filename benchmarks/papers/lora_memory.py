@@ -94,8 +94,10 @@ def _gemm_workspace(dev) -> int:
     """Bytes the allocator hands out at the peak of a 64 x 64 matmul's forward and backward, in float32 and
     bfloat16, beyond what was allocated before: the GEMM library's transient workspace (plus ~0.1 MiB of the
     matmul's own tensors). On an H100 (2026-12-06) the smoke's 'other' was 31.7 of 34.8 MiB, the same to the
-    byte with a forward matmul run before the baseline, so it is not a workspace made once and kept: it is
-    taken per call, which this measures and the probe reports as its own part."""
+    byte with a forward matmul run before the baseline, so it is not a workspace made once and kept. If the
+    library takes one per call, this measures it and the probe reports it as its own part; whether that
+    explains the 31.7 MiB is not yet checked on a GPU. Rows kept from a --prior run made before this part
+    existed leave the column empty (their 'other' still holds it)."""
     import torch
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
