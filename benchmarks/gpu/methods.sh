@@ -170,9 +170,10 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         DATA_ONLY=1 assets 2>&1 | tee -a "$OUT/methods.log"
         # every GPU-only test (pytest -m cuda): they never run in CI, so they run here first. A module whose
         # CPU-only dependency the image lacks (lm_eval: tests/test_harness.py holds no cuda test) is left out
-        # by name, so that the count below has no collection error to explain
+        # by name, so that the count below has no collection error to explain. CUDA_TESTS="tests/x.py ..." runs
+        # only those files (a re-check of one fix on a machine staged for something else)
         ign=(); $PY -c "import lm_eval" 2>/dev/null || ign=(--ignore=tests/test_harness.py)
-        timeout -k 5 "${T_CUDA_TESTS:-240}" $PY -m pytest -q -m cuda -p no:cacheprovider "${ign[@]}" tests > "$OUT/pytest_cuda.log" 2>&1
+        timeout -k 5 "${T_CUDA_TESTS:-240}" $PY -m pytest -q -m cuda -p no:cacheprovider "${ign[@]}" ${CUDA_TESTS:-tests} > "$OUT/pytest_cuda.log" 2>&1
         echo "[methods] pytest -m cuda: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;
     stash)
