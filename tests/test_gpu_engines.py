@@ -42,11 +42,15 @@ def test_engines_smoke_students_and_report(tmp_path, monkeypatch):
     # the W4A4 cell is also compared with its weight-only forward (what a weight-only kernel runs)
     w = d["cells"]["mxfp4-w4a4-ct"]["student weights only"]
     assert w["kl_vs_vllm"] > 0 and "kl_vs_ptq" in w
+    # its greedy continuations are scored too (what a weight-only kernel should reproduce), and shown in its row
+    assert 0.0 <= w["greedy_vs_vllm"]["token_match"] <= 1.0
     assert "kl_vs_ptq" in d["cells"]["nvfp4-w4a16-modelopt"]["student"]
     assert "kl_vs_ptq" not in d["cells"]["moe-nvfp4-w4a16-ct"]["student"]     # random MoE: no PTQ baseline
     md = (tmp_path / "out" / "engines.md").read_text()
     for name in cells.split(","):
         assert f"| {name} |" in md
+    wo_row = next(ln for ln in md.splitlines() if ln.startswith("| mxfp4-w4a4-ct vs its weight-only forward |"))
+    assert wo_row.split("|")[8].strip() == f"{w['greedy_vs_vllm']['token_match']:.3f}"     # greedy tokens equal
     # SGLang's stand-in ran one cell: scored the same way, under the row's "sglang", with its own bf16
     sg = d["cells"]["mxfp4-w4a4-ct"]["sglang"]
     assert abs(sg["student"]["kl_vs_sglang"]) < 1e-6 and sg["student"]["greedy_vs_sglang"]["identical"] == 1.0

@@ -653,7 +653,9 @@ def phase_report(a, fake: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None)
         for label, wo in variants:
             m = _student_model(c["student_dir"], dev, wo)
             p = _logprobs(m, toks["heldout"], dev)
-            greedy = _greedy(m, toks["prompts"], dev, GEN_TOKENS) if label == "student" else None
+            # the weight-only forward's continuations too: on a weight-only kernel they are what the engine should
+            # reproduce (2026-12-06: SGLang's Llama-768 W4A4 cell matched 0 of 64 greedy tokens of the W4A4 forward)
+            greedy = _greedy(m, toks["prompts"], dev, GEN_TOKENS)
             pq = None
             if c.get("ptq_dir"):        # the same format's PTQ student, same forward variant
                 mp = _student_model(c["ptq_dir"], dev, wo)
@@ -661,8 +663,7 @@ def phase_report(a, fake: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None)
                 del mp
             for eng in todo:
                 rr = _score(p, pq, *arrays[eng], eng)
-                if greedy is not None:
-                    rr[f"greedy_vs_{eng}"] = agreement(greedy, recs[eng]["greedy"])
+                rr[f"greedy_vs_{eng}"] = agreement(greedy, recs[eng]["greedy"])
                 (r if eng == "vllm" else r["sglang"])[label] = rr
             del m, p, pq
             gc.collect()
@@ -723,7 +724,8 @@ def _table(rows: Dict[str, Any], eng: str, label: str) -> List[str]:
         if w:
             L.append(f"| {name} vs its weight-only forward | | | {_f(w.get(f'kl_vs_{eng}'), '.5f')} | "
                      f"{_f(w.get('kl_vs_ptq'), '.5f')} | "
-                     f"{_f(w.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(w.get('top1_agree'), '.3f')} | | |")
+                     f"{_f(w.get('max_abs_logprob_diff_top8'), '.3g')} | {_f(w.get('top1_agree'), '.3f')} | "
+                     f"{_f(w.get(f'greedy_vs_{eng}', {}).get('token_match'), '.3f')} | | |")
         if not rec.get("loaded") or rec.get("loaded_but_failed"):
             why = rec.get("loaded_but_failed") or "; ".join(rec.get("init_errors") or [str(rec.get("error"))])
             L.append(f"| {name}: {'failed' if rec.get('loaded') else 'refused'} | | {why[:300]} | | | | | | |")
