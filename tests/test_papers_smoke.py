@@ -183,3 +183,15 @@ def test_prior_keeps_lora_memory_probes(tmp_path, work, one_thread):
     assert [m["counted"] for m in r2["memory"]] == [m["counted"] for m in r1["memory"]]
     md = (second / "lora_memory.md").read_text()
     assert md.count(" (prior) |") == 6 and "(prior) = kept from an earlier run" in md
+
+
+def test_other_is_the_peak_less_the_six_parts_even_where_a_row_stored_a_seventh():
+    """Rows of the H100 run of 2026-12-06 11:04 UTC carry a 'gemm_workspace' part (a workspace made before the
+    baseline) and an 'other' that subtracted it too; the table recomputes 'other' from the six parts."""
+    import lora_memory as L
+    mib = 2**20
+    parts = {k: 100 * mib for k in L.PARTS}
+    stored = {"measured_peak": 590 * mib, "parts": dict(parts, gemm_workspace=64 * mib), "other": -74 * mib}
+    assert L._other(stored) == -10 * mib
+    assert L._other({"measured_peak": 590 * mib, "parts": parts, "other": -10 * mib}) == -10 * mib
+    assert L._other({"measured_peak": None, "parts": None, "other": None}) is None      # a CPU row

@@ -20,8 +20,10 @@ optimizer keeps them), phase by phase:
 * activations: allocator growth over the forward (what autograd keeps for the backward, plus the teacher's
   hidden states); the bytes autograd saved are also counted through saved-tensor hooks, on any device;
 * logits: the forward's peak above its end (the chunked loss's transient logits and softmax);
-* gemm_workspace: the transient peak of one small matmul forward and backward on the device (what the GEMM
-  library takes per call from the allocator; measured before the step, GPU only);
+* not a part: the GEMM library's workspaces. A small matmul forward and backward in both dtypes runs before the
+  baseline, so the workspaces it makes (kept by the allocator for the process: 64.1 MiB in the first probe of an
+  H100 run of 2026-12-06, 0.1 MiB in the probes after it) sit below the baseline; the bytes it made are recorded
+  as ``gemm_workspace_before_base``;
 * measured peak: torch.cuda.max_memory_allocated over the step; ``other`` = measured peak - the sum of
   the parts (the parts do not all live at the same moment, so ``other`` can be negative);
 * the trainer's own peak (torch.cuda.max_memory_allocated over a 2-step run of ``engine.run`` with the same
@@ -44,7 +46,7 @@ TAG = "lora_memory"
 FORMAT = "nvfp4_w4a16"
 ARMS = [{"name": "full_qad", "rank": 0, "kind": "train"}, {"name": "lora_r16", "rank": 16, "kind": "train"},
         {"name": "lora_r256", "rank": 256, "kind": "train"}]
-PARTS = ("weights", "masters", "optimizer", "grads", "activations", "logits", "gemm_workspace")
+PARTS = ("weights", "masters", "optimizer", "grads", "activations", "logits")
 
 
 def preset(smoke: bool) -> Dict[str, Any]:
@@ -90,26 +92,25 @@ def _bytes(ts) -> int:
     return n
 
 
-def _gemm_workspace(dev) -> int:
-    """Bytes the allocator hands out at the peak of a 64 x 64 matmul's forward and backward, in float32 and
-    bfloat16, beyond what was allocated before: the GEMM library's transient workspace (plus ~0.1 MiB of the
-    matmul's own tensors). On an H100 (2026-12-06) the smoke's 'other' was 31.7 of 34.8 MiB, the same to the
-    byte with a forward matmul run before the baseline, so it is not a workspace made once and kept. If the
-    library takes one per call, this measures it and the probe reports it as its own part; whether that
-    explains the 31.7 MiB is not yet checked on a GPU. Rows kept from a --prior run made before this part
-    existed leave the column empty (their 'other' still holds it)."""
+def _warm_gemm(dev) -> int:
+    """A 64 x 64 matmul's forward and backward in float32 and bfloat16, before the baseline: the GEMM library's
+    workspaces (one per handle and stream; autograd's backward runs on its own thread, with its own handle) are
+    made here and kept by the allocator, so they are not in the step's parts or its peak. Returns the bytes this
+    left allocated (0 once a process has them). History (H100, 2026-12-06): measured as a transient peak and
+    added as a seventh part, it was 64.1 MiB in a process's first probe and 0.1 MiB after (a workspace made once
+    and kept, already below the baseline: counting it twice made 'other' 64 MiB too low). The smoke's 31.7 MiB
+    of 'other' stayed with the workspaces made first, so it is something else: benchmarks/gpu/mem_trace.py lists
+    the probe's large allocations with their Python frames, not yet run."""
     import torch
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     m0 = torch.cuda.memory_allocated()
     x = torch.ones(64, 64, device=dev, requires_grad=True)
     for dt in (torch.float32, torch.bfloat16):
         y = x.to(dt)
         (y @ y).float().sum().backward()
-    torch.cuda.synchronize()
-    ws = torch.cuda.max_memory_allocated() - m0
     del x, y
-    return ws
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - m0
 
 
 def probe(a, p, data, arm, mem) -> Dict[str, Any]:
@@ -134,7 +135,7 @@ def probe(a, p, data, arm, mem) -> Dict[str, Any]:
     workspace = None
     if cuda:
         torch.cuda.empty_cache()
-        workspace = _gemm_workspace(dev)
+        workspace = _warm_gemm(dev)
         torch.cuda.reset_peak_memory_stats()
     base = alloc()
     model, _, _ = build_model(cfg, dev)
@@ -205,9 +206,10 @@ def probe(a, p, data, arm, mem) -> Dict[str, Any]:
     if cuda:
         parts = {"weights": after_w - base, "masters": parts_counted["masters"],
                  "optimizer": parts_counted["optimizer"], "grads": grads_b, "activations": a1 - a0,
-                 "logits": peak_fwd - a1, "gemm_workspace": workspace}
+                 "logits": peak_fwd - a1}
         peak = max(peak_fwd, peak_bwd, peak_step) - base
         r.update(parts=parts, measured_peak=peak, other=peak - sum(parts.values()),
+                 gemm_workspace_before_base=workspace,
                  phases={"after_weights": after_w - base, "after_optimizer_state": after_opt - base,
                          "forward_end": a1 - base, "forward_peak": peak_fwd - base, "backward_peak": peak_bwd - base,
                          "step_peak": peak_step - base})
@@ -331,6 +333,15 @@ def _mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
+def _other(m: Dict[str, Any]) -> Optional[int]:
+    """measured peak - the six parts. Computed here, not read: rows of the H100 run of 2026-12-06 11:04 UTC stored
+    an 'other' that also subtracted a seventh part, the GEMM workspace, which lies below the baseline."""
+    parts = m.get("parts")
+    if m.get("measured_peak") is None or not parts:
+        return m.get("other")
+    return m["measured_peak"] - sum(parts[k] for k in PARTS)
+
+
 def report(out: Path, res: Dict[str, Any]) -> None:
     p, R = res["preset"], res.get("arms", [])
     lines = C.header("LoRA-QAD vs full QAD: memory and quality (QATFactory)", res)
@@ -345,13 +356,13 @@ def report(out: Path, res: Dict[str, Any]) -> None:
                       f"{m['micro']} x {m['seq']}{' ckpt' if m['grad_ckpt'] else ''}",
                       f"{m['trainable_params']:,}"]
                      + [_mib(parts.get(k, c.get(k))) for k in PARTS]
-                     + [_mib(c.get("activations_saved")), _mib(m.get("measured_peak")), _mib(m.get("other")),
+                     + [_mib(c.get("activations_saved")), _mib(m.get("measured_peak")), _mib(_other(m)),
                         _mib(m.get("trainer_peak"))])
     lines += ["## Peak memory, MiB", "",
               "weights / activations / logits: allocator deltas (GPU); masters / optimizer / grads: counted bytes; "
-              "gemm_workspace: a small matmul's transient peak (GPU); 'saved' = bytes autograd kept, counted with "
-              "saved-tensor hooks; 'other' = measured peak - sum of the seven parts (they do not all coexist). On a "
-              "CPU only the counted columns are filled.", "",
+              "'saved' = bytes autograd kept, counted with saved-tensor hooks; 'other' = measured peak - sum of the "
+              "six parts (they do not all coexist). The GEMM library's workspaces are made before the baseline and "
+              "are in neither. On a CPU only the counted columns are filled.", "",
               C.md_table(["arm", "config", "micro x seq", "trainable"] + list(PARTS) +
                          ["saved", "measured peak", "other", "trainer peak"], mrows), ""]
     kept = sorted({(m["prior"].get("date"), m["prior"].get("device")) for m in res["memory"] if m.get("prior")})
