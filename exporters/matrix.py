@@ -135,8 +135,9 @@ PROVEN_BY = {
 }
 # The engine itself loading the flavour's exports (issue 16): the last GPU runs of benchmarks/gpu/engines.sh,
 # whose numbers are in benchmarks/results/engines_vllm_h200.json (compressed-tensors cells, 10:43 UTC) and
-# engines_vllm_h200_modelopt_moe.json (ModelOpt and MoE cells, 16:28 UTC); tests/test_readme.py keeps them equal
-ENGINE_RUN_ON = "vLLM 0.24.0, one H200, torch 2.11.0+cu130, 2026-12-01"
+# engines_vllm_h200_modelopt_moe.json (ModelOpt and MoE cells, 16:28 UTC), and SGLang's in
+# benchmarks/results/h100_20261206_s33/engines/engines.json; tests/test_readme.py keeps them equal
+ENGINE_RUN_ON = "vLLM 0.24.0 on one H200, 2026-12-01; SGLang 0.5.17 on one H100, 2026-12-06; torch 2.11.0+cu130"
 ENGINE_RUNS: Dict[Tuple[str, str], str] = {
     (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper); run of 19:51 UTC, the GPU "
              "to itself. NVFP4 W4A16: KL to the student 0.0017 (its PTQ baseline 0.13), top-1 0.979, greedy tokens "
@@ -148,14 +149,14 @@ ENGINE_RUNS: Dict[Tuple[str, str], str] = {
              "to the student 0.0017 (PTQ 0.13), top-1 0.979, greedy tokens equal 0.506, tok/s 0.95x / 0.71x bf16; "
              "NVFP4 W4A4: served weight-only (KL 0.0016 to the student's weight-only forward, 0.17 to its W4A4 "
              "forward), 1.19x / 0.75x; with an FP8 KV cache see the KV-cache section of benchmarks/RESULTS.md",
-    (S, MO): "not yet: SGLang 0.5.17 (the release pinning torch 2.11) ran the bf16 SmolLM2 (860 / 43,831 tok/s at "
-             "batch 1 / 64, CUDA graphs, H200, 2026-12-03) and loaded the NVFP4 W4A4 export (ModelOptModelLoader, "
-             "modelopt_fp4 -> Marlin on SM90), then stopped in its first CUDA-graph capture: SGLang's FP4 Marlin "
-             "has no tile for SmolLM2-135M's fused q/k/v (K = 576, N = 960; a tile needs K % 128 == 0 with N % 64 "
-             "== 0, or K % 64 == 0 with N % 128 == 0), so no SmolLM2-135M NVFP4 checkpoint runs in SGLang on Hopper, ours or another's; vLLM's "
-             "Marlin runs it. A random Llama whose linears fit the tiles (hidden 768) is the next SGLang cell "
-             "(benchmarks/gpu/engines.py). Read from its source: its ModelOptFp4Config accepts quant_algo NVFP4 "
-             "(W4A4, Marlin weight-only below SM100) and refuses W4A16_NVFP4 unless MIXED_PRECISION",
+    (S, MO): "yes: SGLang 0.5.17 (the release pinning torch 2.11), one H100, 2026-12-06: a random Llama with "
+             "SmolLM2's tokenizer and heads but hidden 768 (every linear on a tile of SGLang's FP4 Marlin), QAD "
+             "NVFP4 W4A4, served weight-only through that Marlin on SM90 (quant_algo NVFP4 -> modelopt_fp4), CUDA "
+             "graphs: KL 0.00006 to the student's weight-only forward (its PTQ baseline 0.0265), top-1 0.973, tok/s "
+             "0.96x / 0.93x its bf16 (batch 1 / 64); bf16 SmolLM2 859 / 44,243 tok/s. No SmolLM2-135M NVFP4 "
+             "checkpoint runs in SGLang on Hopper, ours or another's: its fused q/k/v (K = 576, N = 960) fits no "
+             "Marlin tile (the first CUDA-graph capture stops, H200, 2026-12-03). Read from its source: "
+             "ModelOptFp4Config refuses W4A16_NVFP4 unless MIXED_PRECISION",
     (S, CT): "not run yet (as above)",
     (L, G): "yes, on every cell in `make test` (below)",
 }

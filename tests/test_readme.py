@@ -76,13 +76,23 @@ def test_engine_run_numbers_match_the_results_file():
 
 
 def test_sglang_column_quotes_its_run():
-    """SGLang's ModelOpt entry quotes the 2026-12-03 run: its bf16 speeds, and the NVFP4 export not loaded."""
+    """SGLang's ModelOpt entry quotes the 2026-12-06 run (the Llama-768 cell: KL to the weight-only forward, its
+    PTQ baseline, top-1, throughput, the bf16 SmolLM2's speeds) and the 2026-12-03 failure of SmolLM2's shapes."""
     import json
     from qatfactory.exporters.matrix import ENGINE_RUNS
-    d = json.loads((ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "engines.json").read_text())
+    d = json.loads((ROOT / "benchmarks" / "results" / "h100_20261206_s33" / "engines" / "engines.json").read_text())
     txt = ENGINE_RUNS[("sglang", "modelopt")]
-    tp = d["sglang_bf16"]["throughput"]
-    assert f"{tp['1']['tokens_per_s']:.0f} / {tp['64']['tokens_per_s']:,.0f} tok/s" in txt
-    assert d["cells"]["nvfp4-w4a4-modelopt"]["sglang"]["record"]["loaded"] is False and txt.startswith("not yet")
+    sg = d["cells"]["llama768-nvfp4-w4a4-modelopt"]["sglang"]
+    assert sg["record"]["loaded"] and sg["record"]["sglang"] == "0.5.17" and txt.startswith("yes: SGLang 0.5.17")
+    assert sg["verdict_basis"] == "student weights only" and sg["engine_runs_trained_numbers"] is True
+    w = sg["student weights only"]
+    assert f"KL {w['kl_vs_sglang']:.5f} to the student's weight-only forward" in txt
+    assert f"PTQ baseline {w['kl_vs_ptq']:.4f}" in txt and f"top-1 {w['top1_agree']:.3f}" in txt
+    tp = sg["throughput_vs_bf16"]
+    assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt
+    bf = d["sglang_bf16"]["throughput"]
+    assert f"{bf['1']['tokens_per_s']:.0f} / {bf['64']['tokens_per_s']:,.0f} tok/s" in txt
+    old = json.loads((ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "engines.json").read_text())
+    assert old["cells"]["nvfp4-w4a4-modelopt"]["sglang"]["record"]["loaded"] is False
     log = (ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "sglang_nvfp4_w4a4_modelopt.log").read_text()
-    assert "Invalid thread config" in log and "MKN = [64, 576, 960]" in log
+    assert "Invalid thread config" in log and "MKN = [64, 576, 960]" in log and "K = 576, N = 960" in txt

@@ -6,26 +6,25 @@
 #              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier session sent
 #                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
 # Then eight back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
-# each call's carry list and size, all under the 64 MiB a call carries; as re-packed on 2026-12-02 with
-# SGLANG_MARGIN_KIB=1536 (3.5 MiB of working tree in every call, 1.5 MiB kept for its growth; the last
-# SGLang part rides in call 7, the vLLM call, which then starts SGLang's warm-up):
+# each call's carry list and size, all under the 64 MiB a call carries; as re-packed on 2026-12-06 (vLLM's zip
+# in 56 MiB parts by `stage.sh resplit-vllm`, then `pack-sglang` with SGLANG_MARGIN_KIB=1536: 5.5 MiB of working
+# tree in every call, 1.5 MiB kept for its growth; re-run both when `plan` says TOO BIG):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json,
 #            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh preflight  (installs both
-#                                                 stacks' wheels and imports every vLLM dependency)   ~1 min
+#                                                 stacks' wheels and imports every vLLM dependency)   ~0.5 min
 #   2 carry [.gpu/smollm2.gguf.part-aa, .sglang/sglang.tar.part-01]               62.5 MiB
-#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
+#                                                 bash benchmarks/gpu/engines.sh stash                 seconds
 #   3 carry [.gpu/smollm2.gguf.part-ab, .vllm/vllm.zip.part-ad, .sglang/sglang.tar.part-02]
-#            (part-ad: since 2026-12-06 vLLM's zip is cut in 58 MiB parts; `stage.sh plan` prints the sizes)
 #                                                 bash benchmarks/gpu/engines.sh students   (~3 min: PTQ + QAD
 #                                                 students of 4 formats, QAD runs in parallel, the tiny MoE student, 6 exports)
-#   4 carry [.vllm/vllm.zip.part-aa]                                              63.5 MiB
-#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   5 carry [.vllm/vllm.zip.part-ab]                                              63.5 MiB
-#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   6 carry [.sglang/sglang.tar.part-04, .sglang/jit]                             17.8 MiB
-#                                                 bash benchmarks/gpu/engines.sh stash                ~0.5 min
-#   7 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-03]                  62.5 MiB
+#   4 carry [.vllm/vllm.zip.part-aa, .sglang/sglang.tar.part-03]                  62.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                 seconds
+#   5 carry [.vllm/vllm.zip.part-ab, .sglang/sglang.tar.part-04]                  62.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                 seconds
+#   6 carry [.sglang/sglang.tar.part-06, .sglang/jit]                             40.7 MiB
+#                                                 bash benchmarks/gpu/engines.sh stash                 seconds
+#   7 carry [.vllm/vllm.zip.part-ac, .sglang/sglang.tar.part-05]                  62.5 MiB
 #                                                 bash benchmarks/gpu/engines.sh vllm       (~8 min: install vLLM,
 #                                                 one vllm.LLM per export + bf16, then the report; SGLang's
 #                                                 parts are all there now, so in the background it is installed,
@@ -33,10 +32,10 @@
 #                                                 in place, and the JIT modules of its Llama path are built:
 #                                                 FlashInfer's norm, SGLang's Marlin, activation, RoPE, KV store,
 #                                                 positions; seconds per module in $WORK/sglang-warm.json)
-#   8 carry []                                     3.0 MiB
-#                                                 bash benchmarks/gpu/engines.sh sglang     (~4-6 min: waits for
-#                                                 that warm-up, one sglang.Engine for bf16 and one for the
-#                                                 ModelOpt NVFP4 export, then the report with both engines)
+#   8 carry []                                     5.5 MiB
+#                                                 bash benchmarks/gpu/engines.sh sglang     (~3-5 min: waits for
+#                                                 that warm-up, one sglang.Engine for bf16 and one per SGLang cell,
+#                                                 then the report with both engines)
 # Once the vLLM cells are measured (they were on 2026-12-01), call 7 may run `engines.sh kv` instead of `vllm`
 # (issue 22's FP8-attention check; it installs vLLM and starts SGLang's warm-up the same way; ~6 min on
 # 2026-12-03, ~2 min more since each backend is also served with a bf16 cache as the control), and call 3
@@ -44,7 +43,10 @@
 # (~1.5 min instead of ~3: SmolLM2's, which SGLang's Hopper Marlin cannot run, and the random Llama-768 that it
 # can). The stash calls 4-5 have room for a job of their own (2026-12-03: step.sh in call 4, 254 s; Scale-QLoRA
 # in call 5, `methods.sh run`, 251 s), the machine stays held while one runs.
-# About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min).
+# About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min). Measured
+# 2026-12-06 on an H100, with `kv` in call 7, `students --cells llama768-nvfp4-w4a4-modelopt` in call 3 and
+# `sglang --sglang-cells llama768-nvfp4-w4a4-modelopt` in call 8: 832 s of device time for all eight (wall:
+# preflight 20 s, students 70 s, a pytest in call 4 40 s, kv 446 s, sglang 193 s; no JIT cache carried then).
 # If call 8 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
 # the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
 # model's vllm.json / sglang.json and logs under $WORK, $OUT/sglang_logs.tgz), and the built JIT modules with

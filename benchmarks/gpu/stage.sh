@@ -33,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PARTS=${PARTS_DIR:-/tmp/qf-parts}
 MIB=$((1024 * 1024))
-PART_MIB=${PART_MIB:-58}   # + the working tree (~4 MiB in Dec 2026) under a call's 64 MiB, with room to grow
+PART_MIB=${PART_MIB:-56}   # + the working tree (5.5 MiB on 2026-12-06) under a call's 64 MiB, with room to grow
 
 OURS=(
     "deepspeed==0.19.8:build"            # sdist only (the py3 wheel on PyPI is a 2020 one): built here
@@ -155,6 +155,24 @@ case $cmd in
         # pipeline.sh pack (GGUF parts, wiki, GSM8K) + the Austen novels: the paper runs and GPU tests read them
         bash benchmarks/gpu/papers.sh pack
         bash "$0" plan ;;
+    resplit-vllm)
+        # the staged vLLM zip cut again in PART_MIB parts, no download (the working tree grows with each
+        # session's results; 58 MiB parts left 0.6 MiB of room on 2026-12-06, so 56 since): the parts are joined,
+        # checked against the manifest's sha256, cut, and the manifest rewritten; then run pack-sglang again
+        tmp=$(mktemp -d)
+        cat .vllm/vllm.zip.part-* > "$tmp/vllm.zip"
+        want=$(awk '$1 == "zip" {print $3}' .vllm/vllm.manifest)
+        [ "$(sha256sum "$tmp/vllm.zip" | cut -d' ' -f1)" = "$want" ] \
+            || { echo "resplit-vllm: the joined parts do not match the manifest's zip sha256" >&2; rm -rf "$tmp"; exit 2; }
+        (cd "$tmp" && split -b "${PART_MIB}m" vllm.zip vllm.zip.part-)
+        {
+            grep '^wheel ' .vllm/vllm.manifest
+            echo "zip vllm.zip $want $(stat -c %s "$tmp/vllm.zip")"
+            for q in "$tmp"/vllm.zip.part-*; do echo "part $(basename "$q") $(sha256sum "$q" | cut -d' ' -f1)"; done
+        } > "$tmp/vllm.manifest"
+        rm -f .vllm/vllm.zip.part-* && mv "$tmp"/vllm.zip.part-* "$tmp/vllm.manifest" .vllm/
+        rm -rf "$tmp"
+        ls -l .vllm/vllm.zip.part-* ;;
     plan)
         # every call's carry list, sizes (tree included) checked against 64 MiB; SGLang's parts folded in
         python3 benchmarks/gpu/carry_plan.py plan ;;
@@ -263,5 +281,5 @@ print('SGLang import OK: sglang-kernel', sgl_kernel.__version__, '| flashinfer',
       '| transformers', transformers.__version__, '|', sgl_kernel.common_ops.__file__)" || exit 2
         touch /tmp/sgsite/.qf-installed    # engines.sh sglang waits for this marker
         echo "SGLang $SGLANG_VERSION in /tmp/sgsite ($(du -sh /tmp/sgsite | cut -f1))" ;;
-    *) echo "usage: $0 pack|pack-sglang|plan|stage-jit|slim-wheel|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|pack-sglang|resplit-vllm|plan|stage-jit|slim-wheel|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
 esac
