@@ -34,8 +34,8 @@ Engine checks (need a CUDA device; reported as not run otherwise, never as passe
 * ``vllm_serve`` (with ``--vllm-site``): vLLM serves the fp8 export with its declared FP8 cache
   (``--kv-cache-dtype auto`` -> fp8), once per ``--vllm-backends`` entry (default FLASH_ATTN, vLLM's
   choice on Hopper = FlashAttention 3, and TRITON_ATTN; ``engines.py vllm-one --attention-backend``).
-  The fp8 arm trains with ``--kv-attention`` (default auto = fa3: vLLM's FP8 attention arithmetic,
-  formats/kv_attention.py). Its student is then scored against every backend's prompt log-probs with
+  The fp8 arm trains with ``--kv-attention`` (default auto = none, the cache write only, since 2026-12-06;
+  fa3 / triton: vLLM's FP8 attention arithmetic, formats/kv_attention.py). Its student is then scored against every backend's prompt log-probs with
   each emulation switched in (``nn.kv_cache.set_attention``): fa3, triton, cache only (``none``: the
   issue-22 emulation before the FP8 attention) and a bf16 cache (no KV emulation); KL on vLLM's top-K
   partition (benchmarks/gpu/engines.py). The emulation matches a backend when its own rule gives the
@@ -86,7 +86,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--vllm-ops-only", action="store_true", dest="vllm_ops_only",
                    help="internal: run only the checks against vLLM's ops (under vLLM's Python path) into --out")
     p.add_argument("--kv-attention", default="auto", dest="kv_attention",
-                   help="quant.kv_attention of the fp8 arm: auto (= fa3), fa3, triton or none (cache write only)")
+                   help="quant.kv_attention of the fp8 arm: auto (= none), fa3, triton or none (cache write only)")
     p.add_argument("--no-vllm-bf16-control", dest="vllm_bf16_control", action="store_false",
                    help="skip serving the fp8 export a second time per backend with vLLM's cache in bf16")
     p.add_argument("--vllm-backends", default=",".join(BACKENDS), dest="vllm_backends",
@@ -260,6 +260,41 @@ def _vllm_ops_in_child(a, out: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def served_scales_vs_export(served: Dict[str, Dict[str, Any]], export_dir) -> Dict[str, Any]:
+    """The k/v scales vLLM's attention layers hold after loading (engines._attention_scales, per module name)
+    against the export's ``*.self_attn.{k,v}_proj.{k,v}_scale`` tensors, layer by layer (the layer index read
+    from both names). Exact float equality is the claim: vLLM takes the checkpoint's float32 value as is."""
+    import re
+
+    from safetensors import safe_open
+    want: Dict[int, Dict[str, float]] = {}
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for key in h.keys():
+                m = re.search(r"layers\.(\d+)\.self_attn\.([kv])_proj\.([kv])_scale$", key)
+                if m and m.group(2) == m.group(3):
+                    want.setdefault(int(m.group(1)), {})[m.group(2)] = float(h.get_tensor(key).float().reshape(-1)[0])
+    got: Dict[int, Dict[str, Any]] = {}
+    for name, rec in (served or {}).items():
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m and "k" in rec:
+            got[int(m.group(1))] = rec
+    rows, worst = [], 0.0
+    for i in sorted(set(want) | set(got)):
+        w, g = want.get(i, {}), got.get(i, {})
+        for kv in ("k", "v"):
+            wv, gv = w.get(kv), g.get(kv)
+            ok = wv is not None and gv is not None and wv == gv
+            if wv is not None and gv is not None and wv:
+                worst = max(worst, abs(gv - wv) / abs(wv))
+            if not ok:
+                rows.append({"layer": i, "scale": kv, "export": wv, "served": gv})
+    return {"layers_in_export": len(want), "layers_served": len(got), "all_equal": bool(want) and not rows,
+            "mismatches": rows[:12], "max_rel_diff": worst,
+            "served_q_scales": sorted({g.get("q") for g in got.values()}),
+            "served_kv_cache_dtypes": sorted({str(g.get("kv_cache_dtype")) for g in got.values()})}
+
+
 def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
     """vLLM serves the fp8 export (its declared FP8 cache) with each backend of --vllm-backends; the student is
     scored against each with every emulation switched in (fa3, triton, cache only, bf16 cache)."""
@@ -307,7 +342,9 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
                                    "kv_cache_dtype": vr.get("kv_cache_dtype"), "backend_in_log": used[-1] if used else None,
                                    "fa_version": (re.findall(r"Using FlashAttention version (\d)", log) or [None])[-1],
                                    "q_scale_warning": "does not provide a q scaling factor" in log,
-                                   "error": vr.get("error"), "init_errors": [e[:300] for e in vr.get("init_errors") or []]}
+                                   "error": vr.get("error"), "init_errors": [e[:300] for e in vr.get("init_errors") or []],
+                                   "scales_vs_export": (served_scales_vs_export(vr["attention_scales"], r["export_dir"])
+                                                        if vr.get("attention_scales") else None)}
             if vr.get("loaded"):
                 import numpy as np
                 z = np.load(res_json.with_suffix(".npz"))

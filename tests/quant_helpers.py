@@ -162,7 +162,7 @@ def kv_reference(m, fmt_name: str, scales=None, gguf_order=None, attention=None)
         hooks.append(mod.v_proj.register_forward_hook(v_hook))
     modeling.apply_rotary_pos_emb = rope
     base_eager, base_impl = modeling.eager_attention_forward, m.config._attn_implementation
-    if attention is not None:
+    if attention not in (None, "none"):       # "none": the student emulates only the cache write
         from qatfactory.formats.kv_attention import fp8_attention
 
         def fp8_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):

@@ -52,10 +52,11 @@ def test_kv_cache_benchmark_smoke(tmp_path, one_thread, monkeypatch):
     assert arms["nvfp4_kv"]["ptq"]["kl"] > arms["none"]["ptq"]["kl"]
     assert arms["fp8_e4m3"]["verify"]["verdict"] == "PASS" and "verify" not in arms["none"]
     ex = json.loads((Path(arms["fp8_e4m3"]["export_dir"]) / "qatfactory.json").read_text())
-    assert ex["kv_cache"]["format"] == "fp8_e4m3" and ex["kv_cache"]["attention"] == "fa3"
-    assert ex["kv_cache"]["serve_flags"] == "--kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
-    # the attention rule the fp8 arm trained with (auto = fa3) is in its command and its run directory's name
-    assert "quant.kv_attention=fa3" in arms["fp8_e4m3"]["command"] and arms["fp8_e4m3"]["run_dir"].endswith("-fa3")
+    assert ex["kv_cache"]["format"] == "fp8_e4m3" and ex["kv_cache"]["attention"] == "none"
+    assert ex["kv_cache"]["serve_flags"] == "--kv-cache-dtype fp8"
+    # the attention rule the fp8 arm trained with (auto = none: the cache write only) is in its command; a run
+    # directory names a rule only when there is one (-fa3, -triton)
+    assert "quant.kv_attention=none" in arms["fp8_e4m3"]["command"] and arms["fp8_e4m3"]["run_dir"].endswith("-fp8_e4m3")
     if not torch.cuda.is_available():
         assert rep["engine_checks"]["vllm_op"]["run"] is False and "no CUDA device" in rep["engine_checks"]["vllm_op"]["why"]
         assert rep["vllm_serve"]["run"] is False
@@ -96,3 +97,49 @@ def test_kl_by_position_buckets_and_the_served_table_shows_them():
     md = kv_cache.markdown(rep)
     assert "| student's forward | 0-127 | 128-511 | 512-599 |" in md
     assert "| FLASH_ATTN | student (bf16 KV) | 1.00000 | 1.00000 | 4.00000 |" in md
+
+
+def test_served_attention_scales_are_compared_with_the_exports_layer_by_layer(tmp_path, monkeypatch):
+    """What vLLM's attention layers hold after loading (engines._attention_scales, read on a stand-in module
+    tree here) against the export's k/v scale tensors: equal floats pass, a layer left at vLLM's 1.0 default
+    or missing is named."""
+    from safetensors.torch import save_file
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "gpu"))
+    import engines
+    import kv_cache as K
+    ks, vs = [0.0123, 0.0456], [0.0078, 0.0311]
+    save_file({f"model.layers.{i}.self_attn.{n}_proj.{n}_scale": torch.tensor(x, dtype=torch.float32)
+               for i in range(2) for n, x in (("k", ks[i]), ("v", vs[i]))}, str(tmp_path / "model.safetensors"))
+
+    class Attn(torch.nn.Module):
+        def __init__(self, k, v):
+            super().__init__()
+            self._k_scale_float, self._v_scale_float, self._q_scale_float = k, v, 1.0
+            self._prob_scale = torch.tensor(1.0)
+            self.kv_cache_dtype = "fp8_e4m3"
+
+    def tree(scales):
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleList()
+        for k, v in scales:
+            blk = torch.nn.Module()
+            blk.self_attn = torch.nn.Module()
+            blk.self_attn.attn = Attn(k, v)
+            m.layers.append(blk)
+        return m
+
+    f32 = [(float(torch.tensor(k)), float(torch.tensor(v))) for k, v in zip(ks, vs)]
+    served = engines._attention_scales(tree(f32))
+    assert sorted(served) == ["layers.0.self_attn.attn", "layers.1.self_attn.attn"]
+    assert served["layers.1.self_attn.attn"] == {"k": f32[1][0], "v": f32[1][1], "q": 1.0, "prob": 1.0,
+                                                 "kv_cache_dtype": "fp8_e4m3"}
+    ok = K.served_scales_vs_export(served, tmp_path)
+    assert ok["all_equal"] and ok["layers_in_export"] == ok["layers_served"] == 2 and ok["max_rel_diff"] == 0.0
+    assert ok["served_q_scales"] == [1.0] and ok["served_kv_cache_dtypes"] == ["fp8_e4m3"]
+    bad = K.served_scales_vs_export(engines._attention_scales(tree([f32[0], (1.0, 1.0)])), tmp_path)
+    assert not bad["all_equal"] and {(r["layer"], r["scale"]) for r in bad["mismatches"]} == {(1, "k"), (1, "v")}
+    assert bad["max_rel_diff"] == pytest.approx(1 / f32[1][1] - 1, rel=1e-6)
+    short = K.served_scales_vs_export(engines._attention_scales(tree(f32[:1])), tmp_path)
+    assert not short["all_equal"] and short["layers_served"] == 1
+    assert {(r["layer"], r["served"]) for r in short["mismatches"]} == {(1, None)}

@@ -25,7 +25,7 @@ def _e4m3(x):
 
 
 def test_the_default_is_vllms_hopper_backend_and_other_choices_are_checked(tmp_path):
-    for kv, want in (("fp8_e4m3", "fa3"), ("fp8_e4m3_sglang", "none"), ("nvfp4_kv", "none"), ("q8_0_kv", "none")):
+    for kv, want in (("fp8_e4m3", "none"), ("fp8_e4m3_sglang", "none"), ("nvfp4_kv", "none"), ("q8_0_kv", "none")):
         cfg = QuantConfig.preset("nvfp4_w4a16", kv_format=kv)
         assert cfg.kv_attention == "auto" and cfg.resolved_kv_attention() == want
     with pytest.raises(ValueError, match="kv_attention='triton' does not run on the KV-cache format 'nvfp4_kv'; "
@@ -36,7 +36,7 @@ def test_the_default_is_vllms_hopper_backend_and_other_choices_are_checked(tmp_p
     with pytest.raises(ValueError, match="kv_attention='fa2'; allowed"):
         QuantConfig(kv_format="fp8_e4m3", kv_attention="fa2")
     m = tiny("qwen3")
-    cfg = QuantConfig.preset("nvfp4_w4a16", kv_format="fp8_e4m3")
+    cfg = QuantConfig.preset("nvfp4_w4a16", kv_format="fp8_e4m3", kv_attention="fa3")
     prepare(m, cfg)
     assert cfg.kv_attention == "fa3" and {q.attention for _, q in KV.kv_quantizers(m)} == {"fa3"}
     calibrate(m, [ids(seed=3)])

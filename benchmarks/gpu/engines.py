@@ -372,6 +372,22 @@ def _describe_kernels(model) -> List[str]:
     return sorted(out)
 
 
+def _attention_scales(model) -> Dict[str, Dict[str, Any]]:
+    """The per-layer scales vLLM's attention layers hold after loading (what its cache write, its query cast and
+    its FP8 attention actually use), keyed by module name: k / v / q as the floats the kernels take, prob as a
+    float, and the layer's kv_cache_dtype. Layers without the attributes (no attention) are left out."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, mod in model.named_modules():
+        if not hasattr(mod, "_k_scale_float") or not hasattr(mod, "kv_cache_dtype"):
+            continue
+        prob = getattr(mod, "_prob_scale", None)
+        out[name] = {"k": float(mod._k_scale_float), "v": float(mod._v_scale_float),
+                     "q": float(getattr(mod, "_q_scale_float", float("nan"))),
+                     "prob": None if prob is None else float(prob.reshape(-1)[0].item()),
+                     "kv_cache_dtype": str(mod.kv_cache_dtype)}
+    return out
+
+
 def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attention_backend: Optional[str] = None,
              kv_cache_dtype: Optional[str] = None) -> None:
     """Runs inside vLLM's Python path, one model per process. ``attention_backend``: vLLM's
@@ -425,6 +441,10 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attenti
         res["kv_cache_dtype"] = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
     except Exception as e:
         res["kv_cache_dtype"] = f"(not read: {type(e).__name__})"
+    try:    # the scales the served attention layers hold (issue 22: are they the checkpoint's?)
+        res["attention_scales"] = llm.apply_model(_attention_scales)[0]
+    except Exception as e:
+        res["attention_scales"] = {"(not read)": {"error": f"{type(e).__name__}: {str(e)[:300]}"}}
     try:
         res["kernels"] = sorted(set(sum(llm.apply_model(_describe_kernels), [])))
     except Exception as e:

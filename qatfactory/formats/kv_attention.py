@@ -157,9 +157,12 @@ def attentions_for(kv_format: Optional[str]) -> List[str]:
 
 
 def default_attention(kv_format: Optional[str]) -> str:
-    """What the engine runs by default on Hopper for a KV format: "fa3" for vLLM's fp8_e4m3 (FLASH_ATTN is
-    vLLM's first choice on SM90), "none" (only the cache write is emulated) for every other format."""
-    return "fa3" if kv_format in FA3.kv_formats else "none"
+    """The attention emulation a student trains with unless asked: "none" (only the cache write, whose bytes
+    equal vLLM's own write op's) for every format. Until 2026-12-06 it was "fa3" for fp8_e4m3, FLASH_ATTN being
+    vLLM's pick on SM90; measured against vLLM 0.24 serving a 2K fp8 export with FLASH_ATTN, the fa3 emulation
+    was the further of the two from vLLM both times (KL 0.0193 vs 0.0186 cache-only on an H200, 2026-12-03;
+    0.0197 vs 0.0190 on an H100, 2026-12-06; benchmarks/RESULTS.md). "fa3" and "triton" stay selectable."""
+    return "none"
 
 
 # ----------------------------------------------------------------------------- numerics
