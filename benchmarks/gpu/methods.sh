@@ -39,9 +39,16 @@
 #   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
 # Fewer device minutes: SmolLM2 jobs are host-bound and the machine has 16 cores, so `PACK=1 bash
 # benchmarks/gpu/methods.sh par J1 J2 J3` runs them at once in one call and brings back one file (methods.tgz:
-# merge from its unpacked folders). Probe the sharing first, e.g. `PRESET=probe PACK=1 ... par paretoq4
-# paretoq2 paretoq_seqlsq_seq0`: each job's step_ms when sharing the GPU must keep steps x step_ms + ~1.5 min
-# under its 560 s (T_PARETOQ). Not measured yet; `par` rows time nothing (step_ms is the shared one).
+# merge from its unpacked folders). Measured on an H100, 2026-12-06 (`PRESET=probe PACK=1 ... par paretoq4
+# paretoq2 paretoq_seqlsq_seq0 paretoq_split4s0`, 196 s; results/h100_20261206_s33/paretoq_probe): sharing the
+# GPU three or four ways, a SmolLM2 step took 208-214 ms and each arm ~115-130 s besides its steps (load,
+# evaluations, diagnostics); the split's byte model 64-75 ms. So three 1,500-step jobs fit one call
+# (1,500 x 0.21 s + ~130 s + start ~= 470 s of the 560 s T_PARETOQ); `par` rows time nothing. The plan, after
+# the preflight and stash calls of a fresh machine (~1,600 device s for the C1 tables):
+#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq2 paretoq158 paretoq1
+#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq_seqlsq_seq0
+#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
+# and the split in a later lease, two halves per (bits, seed) as above, two halves sharing a call.
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
