@@ -43,11 +43,13 @@
 # paretoq2 paretoq_seqlsq_seq0 paretoq_split4s0`, 196 s; results/h100_20261206_s33/paretoq_probe): sharing the
 # GPU three or four ways, a SmolLM2 step took 208-214 ms and each arm ~115-130 s besides its steps (load,
 # evaluations, diagnostics); the split's byte model 64-75 ms. So three 1,500-step jobs fit one call
-# (1,500 x 0.21 s + ~130 s + start ~= 470 s of the 560 s T_PARETOQ); `par` rows time nothing. The plan, after
-# the preflight and stash calls of a fresh machine (~1,600 device s for the C1 tables):
-#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq2 paretoq158 paretoq1
-#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq_seqlsq_seq0
-#   PACK=1 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
+# (1,500 x 0.21 s + ~130 s ~= 450 s); `par` rows time nothing. A job's rows are written at its end, so a job
+# cut by its timeout loses them, and a call past 600 s brings nothing back: T_PARETOQ=530 leaves the packing
+# and the data step (~46 s for the GGUF -> model directory, once per machine) room. The plan, after the
+# preflight and stash calls of a fresh machine (~1,600 device s for the C1 tables):
+#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2   (the conversion here)
+#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq158 paretoq1 paretoq_seqlsq_seq0
+#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
 # and the split in a later lease, two halves per (bits, seed) as above, two halves sharing a call.
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
