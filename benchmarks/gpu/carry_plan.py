@@ -38,8 +38,8 @@ BASE_CALLS = [
     ([".whl", ".vllm/deps", ".vllm/vllm.manifest", ".gpu/assets", ".gpu/smollm2.gguf.parts.json"],
      "bash benchmarks/gpu/engines.sh preflight"),
     ([".gpu/smollm2.gguf.part-aa"], "bash benchmarks/gpu/engines.sh stash"),
-    # stage.sh cuts vLLM's zip in 58 MiB parts (the tree grew past what 60 MiB parts leave room for): the
-    # fourth, ~3 MiB, rides here, before the vLLM call that reassembles all four from the manifest
+    # stage.sh cuts vLLM's zip in 56 MiB parts (since 2026-12-06; the tree grew past what 58 MiB parts leave
+    # room for): the fourth, ~9 MiB, rides here, before the vLLM call that reassembles all four from the manifest
     ([".gpu/smollm2.gguf.part-ab", ".vllm/vllm.zip.part-ad"], "bash benchmarks/gpu/engines.sh students"),
     ([".vllm/vllm.zip.part-aa"], "bash benchmarks/gpu/engines.sh stash"),
     ([".vllm/vllm.zip.part-ab"], "bash benchmarks/gpu/engines.sh stash"),
