@@ -115,7 +115,9 @@ def test_gguf_export_records_the_cache_type_and_its_flags(tmp_path, capsys):
 
 
 def _modelopt(tmp_path, kv="fp8_e4m3"):
-    cm = convert(_student("qwen3", "nvfp4_w4a16", kv))
+    # trained with vLLM's FP8 attention rule (fa3; the default is the cache write only): the record then names a
+    # rule and a backend flag, which the tampering below must be caught changing
+    cm = convert(_student("qwen3", "nvfp4_w4a16", kv, att="fa3"))
     out = tmp_path / "e"
     export(cm, out, engine="vllm", flavour="modelopt")
     return cm, out
@@ -180,7 +182,7 @@ def test_an_engine_that_writes_another_rule_is_refused(tmp_path, engine, kv, msg
     cm = convert(_student("qwen3", "nvfp4_w4a16", "nvfp4_kv"))
     with pytest.raises(ValueError, match="only an 8-bit float kv_cache_scheme; use flavour='modelopt'"):
         export(cm, tmp_path / "e", engine="vllm", flavour="compressed-tensors")
-    cm = convert(_student("qwen3", "nvfp4_w4a16", "fp8_e4m3"))
+    cm = convert(_student("qwen3", "nvfp4_w4a16", "fp8_e4m3", att="fa3"))
     cm.kv_cache["format"] = "fp8_e4m3_sglang"        # a record that pairs vLLM's FP8 attention with SGLang's cache
     with pytest.raises(ValueError, match="FP8 attention \('fa3'\) on the 'fp8_e4m3_sglang' cache, which only vLLM runs"):
         export(cm, tmp_path / "e", engine="sglang")
