@@ -23,7 +23,8 @@ Attention (``ConvertedModel.kv_cache["attention"]``): a student trained with vLL
 arithmetic (formats/kv_attention.py: ``fa3`` = FLASH_ATTN, ``triton`` = TRITON_ATTN) is served with that
 backend: the flags add ``--attention-backend FLASH_ATTN|TRITON_ATTN`` (FLASH_ATTN is also what vLLM picks
 on Hopper unasked). No q_scale is written: vLLM then quantizes the query with q_scale = 1.0, which is
-what the student trained with (a ``<attn>.q_scale`` tensor would be loaded and change that).
+what a student trained with those rules used (a ``<attn>.q_scale`` tensor would be loaded and change that).
+The default rule is ``none`` (the cache write only; the flags then name no backend).
 """
 from __future__ import annotations
 

@@ -200,3 +200,24 @@ def test_other_is_the_peak_less_the_six_parts_even_where_a_row_stored_a_seventh(
     assert L._other(stored) == -10 * mib
     assert L._other({"measured_peak": 590 * mib, "parts": parts, "other": -10 * mib}) == -10 * mib
     assert L._other({"measured_peak": None, "parts": None, "other": None}) is None      # a CPU row
+
+
+def test_mem_trace_lists_large_allocations_with_their_python_frames(monkeypatch):
+    """benchmarks/gpu/mem_trace.py (run on a GPU only) reads torch's allocator snapshot: checked here on a
+    snapshot-shaped dict, so the diagnostic does not fail on its first GPU call."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "gpu"))
+    import mem_trace as M
+    f = [{"filename": "/x/torch/nn/functional.py", "line": 12, "name": "linear"},
+         {"filename": "??", "line": 0, "name": "at::native::mm"},
+         {"filename": "/y/lora_memory.py", "line": 170, "name": "probe"}]
+    snap = {"device_traces": [[
+        {"action": "segment_alloc", "addr": 1, "size": 32 * 2**20, "stream": 0, "frames": f},
+        {"action": "alloc", "addr": 1, "size": 32 * 2**20, "stream": 0, "frames": f},
+        {"action": "alloc", "addr": 2, "size": 4096, "stream": 0, "frames": f},
+        {"action": "alloc", "addr": 3, "size": 3 * 2**20, "stream": 7, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 32 * 2**20, "stream": 0, "frames": f}]]}
+    big = M.big_allocations(snap, 2**20)
+    assert [(b["action"], b["mib"], b["freed_before_the_end"]) for b in big] == [
+        ("segment_alloc", 32.0, True), ("alloc", 32.0, True), ("alloc", 3.0, False)]
+    assert big[0]["frames"] == ["functional.py:12 linear", "lora_memory.py:170 probe"] and big[2]["frames"] == []
+    assert big[2]["stream"] == 7
