@@ -38,8 +38,9 @@ Engine checks (need a CUDA device; reported as not run otherwise, never as passe
   fa3 / triton: vLLM's FP8 attention arithmetic, formats/kv_attention.py). Its student is then scored
   against every backend's prompt log-probs with each emulation switched in (``nn.kv_cache.set_attention``):
   fa3, triton, cache only (``none``: the issue-22 emulation before the FP8 attention) and a bf16 cache
-  (no KV emulation); KL on vLLM's top-K partition (benchmarks/gpu/engines.py). The emulation matches a backend when its own rule gives the
-  smallest KL there, near the weight-only cells' KL without a KV cache (0.0017 on 2026-12-01).
+  (no KV emulation); KL on vLLM's top-K partition (benchmarks/gpu/engines.py). The emulation matches a
+  backend when its own rule gives the smallest KL there, near the weight-only cells' KL without a KV cache
+  (0.0017 on 2026-12-01).
 
 ``--smoke``: a random 2-layer Llama with a BPE tokenizer trained on the packaged text, sequences of
 32 and 48 tokens, two steps per arm on CPU: every code path (data, calibration with the KV pass,
