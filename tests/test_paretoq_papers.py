@@ -139,6 +139,32 @@ def test_bit_sweep_rows_of_one_call_then_merged(tmp_path, work):
     assert [r["qat"]["eval/ppl"] for r in res["arms"] if r["bits"] == "4"] == [18.0]
 
 
+def test_seq_vs_lsq_takes_the_bit_sweeps_2bit_seq_row(tmp_path):
+    """The bit sweep's 2-bit SEQ arm (CE, seed 0) is the same run as our SEQ seed-0 arm: --merge takes it from a
+    paretoq_bits.json folder, says so in the table, and refuses arms trained at different learning rates."""
+    base = {"smoke": False, "env": _env("2026-12-06 14:00 UTC"), "data": {"split": "wiki"}, "setting": {}}
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "paretoq_bits.json").write_text(json.dumps(dict(base, teacher={}, arms=[
+        _arm_row("4", "int4_lsq"), _arm_row("2", "int2_seq", ppl=30.0), _arm_row("2", "int2_seq", loss="kl")])))
+    lsq = tmp_path / "lsq0"
+    lsq.mkdir()
+    (lsq / "paretoq_seq_vs_lsq.json").write_text(json.dumps(dict(base, lr=1e-5, arms=[
+        dict(_arm_row("2", "int2_lsq", ppl=40.0), label="2-bit LSQ", curve=[])])))
+    out = tmp_path / "sl"
+    assert S.main(["--merge", str(sweep), str(lsq), "--out", str(out)]) == 0
+    res = json.loads((out / "paretoq_seq_vs_lsq.json").read_text())
+    md = (out / "paretoq_seq_vs_lsq.md").read_text()
+    assert [(a["label"], a["loss"], a.get("source")) for a in res["arms"]] == [
+        ("2-bit SEQ", "ce", "paretoq_bits.json"), ("2-bit LSQ", "ce", None)]
+    assert "| 2-bit SEQ | int2_seq | max | 0 | 30 | 30 |" in md and "| bit sweep |" in md and "| this script |" in md
+    assert "Mean QAT PPL: SEQ 30, LSQ 40 (LSQ +33.33% vs SEQ)" in md
+    (lsq / "paretoq_seq_vs_lsq.json").write_text(json.dumps(dict(base, lr=2e-5, arms=[
+        dict(_arm_row("2", "int2_lsq", ppl=40.0), lr=2e-5, label="2-bit LSQ", curve=[])])))
+    with pytest.raises(SystemExit, match="different learning rates"):
+        S.main(["--merge", str(sweep), str(lsq), "--out", str(out)])
+
+
 def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     base = {"smoke": False, "env": _env("2026-12-02 11:00 UTC"), "data": {"split": "wiki"}, "lr": 2e-5,
             "setting": {}}

@@ -51,6 +51,12 @@
 #   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq158 paretoq1 paretoq_seqlsq_seq0
 #   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
 # and the split in a later lease, two halves per (bits, seed) as above, two halves sharing a call.
+# Fewer still (session 34): paretoq2's row is the SEQ seed-0 arm of SEQ vs LSQ (same overrides, LR 1e-4 both;
+# paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder), and the 500-step 4/3-bit jobs end early,
+# so a call holds four SmolLM2 jobs and one split half (the probe's mix plus one):
+#   PACK=1 T_PARETOQ=530 PARETOQ_FRACTIONS=0,0.05,0.1 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2 paretoq158 paretoq_split4s0
+#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.2,0.4,1 bash benchmarks/gpu/methods.sh par paretoq1 paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_split4s0
+# (three 1,500-step jobs at once, as measured; paretoq_seqlsq_lsq1 rides with the other split halves later)
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
@@ -133,9 +139,10 @@ args_for() {
             esac
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_bits.py $a $pr" ;;
         paretoq_seqlsq_seq0|paretoq_seqlsq_lsq0|paretoq_seqlsq_seq1|paretoq_seqlsq_lsq1)   # issue 19, 2-bit SEQ vs LSQ
+            # at the bit sweep's LR below 3 bits, so that paretoq2's row IS the SEQ seed-0 arm (--merge takes it)
             local arm=${j#paretoq_seqlsq_} pr=""
             [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
-            echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_seq_vs_lsq.py --out $d --device cuda --rows-only --arms ${arm%?} --seed-list ${arm: -1} ${PARETOQ_LR_LO:+--lr $PARETOQ_LR_LO} $pr" ;;
+            echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_seq_vs_lsq.py --out $d --device cuda --rows-only --arms ${arm%?} --seed-list ${arm: -1} --lr ${PARETOQ_LR_LO:-1e-4} $pr" ;;
         paretoq_split4s0|paretoq_split2s0|paretoq_split4s1|paretoq_split2s1)   # issue 19, C2 (no model files)
             local sb=${j#paretoq_split} pr=""
             [ $p = probe ] && pr="--budget ${PARETOQ_PROBE_STEPS:-30}"

@@ -36,16 +36,38 @@ def merge(paths: List[Path]) -> Dict[str, Any]:
     arms: Dict[tuple, Dict[str, Any]] = {}
     for p in paths:
         f = p / "paretoq_seq_vs_lsq.json" if p.is_dir() else p
+        if p.is_dir() and not f.exists() and (p / "paretoq_bits.json").exists():
+            f = p / "paretoq_bits.json"
         r = json.loads(f.read_text())
+        if f.name == "paretoq_bits.json":
+            r = _from_bit_sweep(r)
         out["merged_from"].append({"file": str(f), "env": r.get("env"),
                                    "arms": [(a["label"], a["seed"]) for a in r["arms"]]})
         for k in ("smoke", "env", "setting", "data", "lr"):
             out.setdefault(k, r.get(k))
         for a in r["arms"]:
             arms[(a["label"], a["seed"])] = a
+    lrs = sorted({a["lr"] for a in arms.values()})
+    if len(lrs) > 1:
+        raise SystemExit(f"--merge: the arms ran at different learning rates {lrs}; a comparison needs one")
+    if arms:
+        out["lr"] = lrs[0]
     labels = [a[0] for a in ARMS]
     out["arms"] = sorted(arms.values(), key=lambda a: (a["seed"], labels.index(a["label"])))
     return out
+
+
+def _from_bit_sweep(r: Dict[str, Any]) -> Dict[str, Any]:
+    """The 2-bit SEQ arms of a paretoq_bits.json (CE) as this script's rows. paretoq_bits trains that arm with the
+    same overrides as ours (recipe paretoq_2bit, int2_seq, max|W| init, CE, 1,500 steps, seed 0) and only adds an
+    export after training, so its row is a run of our SEQ arm: one device job fewer. Each row says where it came
+    from (``source``)."""
+    rows = []
+    for a in r["arms"]:
+        if a["bits"] == "2" and a["format"] == "int2_seq" and a["loss"] == "ce":
+            rows.append({**a, "label": "2-bit SEQ", "source": "paretoq_bits.json"})
+    return {"smoke": r.get("smoke"), "env": r.get("env"), "setting": r.get("setting"), "data": r.get("data"),
+            "lr": rows[0]["lr"] if rows else None, "arms": rows}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -114,7 +136,8 @@ def _arm(s, data, smoke, work, recipe, fmt, loss, steps, lr, seed, calib) -> Dic
 
 def report(out: Path, res: Dict[str, Any]) -> None:
     rows = [[r["label"], r["format"], r["calib"], r["seed"], r["ptq"]["eval/ppl"], r["qat"]["eval/ppl"],
-             r["qat"]["eval/kl"], r["rel_weight_change"], r["bin_change_fraction"]] for r in res["arms"]]
+             r["qat"]["eval/kl"], r["rel_weight_change"], r["bin_change_fraction"],
+             "bit sweep" if r.get("source") else "this script"] for r in res["arms"]]
     mean = {}
     nan = float("nan")
     for label, *_ in ARMS:
@@ -128,7 +151,8 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     text = [f"# 2-bit SEQ vs 2-bit LSQ ({'SMOKE: tiny random model, a few steps; measures nothing' if res['smoke'] else 'SmolLM2-135M-Instruct'})",
             "", f"{res['env']['date']}, {res['env']['device']}; LR {res['lr']:g}, {res['arms'][0]['steps']} steps; held-out "
             f"{res['data']['split']}.", "",
-            C.md_table(["arm", "format", "init", "seed", "PTQ PPL", "QAT PPL", "QAT KL", "rel dW", "bins changed"], rows),
+            C.md_table(["arm", "format", "init", "seed", "PTQ PPL", "QAT PPL", "QAT KL", "rel dW", "bins changed", "run by"],
+                       rows),
             "", f"Mean QAT PPL: SEQ {a['eval/ppl']:.4g}, LSQ {b['eval/ppl']:.4g} (LSQ {gap:+.2f}% vs SEQ); "
             f"KL SEQ {a['eval/kl']:.4g}, LSQ {b['eval/kl']:.4g}."]
     if gone and not res.get("smoke"):
