@@ -193,3 +193,10 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     md = (out / "paretoq_split.md").read_text()
     assert res["best_fraction"] == {"4": 1.0, "2": 1.0}
     assert "**Not run yet (or not complete)**: 4-bit seed 1, 2-bit seed 1." in md
+    assert "| 4 | 2.5 | 2.4 | 1.5 | 1 |" in md
+    # a minimum over some of the fractions is named as such, not as the design's optimum
+    rows = [r for r in json.loads((tmp_path / "split2" / "paretoq_split.json").read_text())["arms"] if r["f"] != 0.1]
+    (tmp_path / "split2" / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+    assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split2"), "--out", str(out)]) == 0
+    md = (out / "paretoq_split.md").read_text()
+    assert "| 2 | 2.5 | nan | 1.5 | 1 (of the 2 of 3 fractions run) |" in md and "| 4 | 2.5 | 2.4 | 1.5 | 1 |" in md

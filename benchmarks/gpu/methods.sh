@@ -51,12 +51,19 @@
 #   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq158 paretoq1 paretoq_seqlsq_seq0
 #   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
 # and the split in a later lease, two halves per (bits, seed) as above, two halves sharing a call.
-# Fewer still (session 34): paretoq2's row is the SEQ seed-0 arm of SEQ vs LSQ (same overrides, LR 1e-4 both;
-# paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder), and the 500-step 4/3-bit jobs end early,
-# so a call holds four SmolLM2 jobs and one split half (the probe's mix plus one):
-#   PACK=1 T_PARETOQ=530 PARETOQ_FRACTIONS=0,0.05,0.1 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2 paretoq158 paretoq_split4s0
-#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.2,0.4,1 bash benchmarks/gpu/methods.sh par paretoq1 paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_split4s0
-# (three 1,500-step jobs at once, as measured; paretoq_seqlsq_lsq1 rides with the other split halves later)
+# The split's byte model is GPU-bound, not host-bound: four split jobs at once (H100, 2026-12-06 14:01-14:17,
+# session 34) took 184-186 ms a step each (bf16) and 167-183 ms (QAT), ~4x the 47-69 ms of one alone, so running
+# them together gains nothing; beside host-bound SmolLM2 jobs it took 64-75 ms (session 33). That session ran the
+# fractions 0, 0.4 and 1 of every (bits, seed); left: 0.05, 0.1, 0.2 (PARETOQ_FRACTIONS=0.05,0.1,0.2: three arms,
+# ~3,400 steps, ~260 s beside SmolLM2 jobs). paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ (same
+# overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder), and the 500-step
+# 4/3-bit jobs end early. The plan for what is left, after the preflight (CUDA_TESTS=tests/test_lowbit_batch_cuda.py
+# keeps it short) and stash calls of a fresh machine (~1,750 device s):
+#   PACK=1 T_PARETOQ=530 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2 paretoq158 paretoq_split4s0
+#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq1 paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_split2s0
+#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq1 paretoq_split4s1 paretoq_split2s1
+# (the first untried: five processes; the third: two split groups, GPU-bound, ~6 x 75 s, beside one SmolLM2 job).
+# A machine that will not start still costs ~70-90 device s per try (session 34 lost ~700 s that way): space tries.
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits

@@ -97,6 +97,15 @@ def merge(paths: List[Path]) -> Dict[str, Any]:
     return out
 
 
+def _best(f, m: Dict[float, float], res: Dict[str, Any]) -> str:
+    """The best fraction, qualified when not every fraction of the design has a mean yet (a minimum over a
+    subset is not the optimum the design asks for)."""
+    n = len(res["setting"]["fractions"])
+    if f is None:
+        return "-"
+    return f"{f:g}" if len(m) == n else f"{f:g} (of the {len(m)} of {n} fractions run)"
+
+
 def report(out: Path, res: Dict[str, Any]) -> None:
     rows = [[r["bits"], r["f"], r["seed"], r["fp_steps"], r["qat_steps"], r["bpt_fp"], r["bpt_quantized"]]
             for r in res["arms"]]
@@ -118,7 +127,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             C.md_table(["bits", "QAT fraction f", "seed", "FP steps", "QAT steps", "FP model bpt", "quantized bpt"], rows),
             "", "Mean quantized bits per token over seeds:", "",
             C.md_table(["bits"] + [f"f={f:g}" for f in res["setting"]["fractions"]] + ["best f"],
-                       [[b] + [mean[b].get(f, float("nan")) for f in res["setting"]["fractions"]] + [best[b]]
+                       [[b] + [mean[b].get(f, float("nan")) for f in res["setting"]["fractions"]] + [_best(best[b], mean[b], res)]
                         for b in mean]),
             "", "ParetoQ reports the optimum near f = 0.1 (MobileLLM); this table is the measurement, not that claim."]
     have = {(r["bits"], r["f"], r["seed"]) for r in res["arms"]}
