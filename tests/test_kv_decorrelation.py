@@ -1,0 +1,29 @@
+"""benchmarks/kv_decorrelation.py (issue 22): the perturbation reaches only forward B, the FP8 cache only the
+*8 forwards, so with eps = 0 the two FP8 forwards are identical and with eps > 0 they differ."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_decorrelation as D  # noqa: E402
+from smollm2_shapes import smollm2_dir  # noqa: E402
+
+
+def test_fp8_errors_shared_at_eps_0_and_not_beyond(tmp_path):
+    model = smollm2_dir(tmp_path / "m", tie=True)
+    out = tmp_path / "out"
+    assert D.main(["--out", str(out), "--model-path", str(model), "--seq", "64", "--n-eval", "1", "--n-calib", "1",
+                   "--eps", "0,0.05", "--threads", "1"]) == 0
+    res = json.loads((out / "kv_decorrelation.json").read_text())
+    same, moved = res["rows"]
+    # eps 0: B is A; the FP8 cache changes the output, identically on both sides
+    assert same["kl_a_b"] == 0.0 and same["kl_a8_b8"] == 0.0 and same["e4m3_elements_differ"] == 0.0
+    assert same["kl_a_a8"] > 0.0 and same["kl_a_a8"] == same["kl_b_b8"]
+    # eps > 0: the forwards differ, E4M3 values move, and the FP8 forwards differ too
+    assert moved["kl_a_b"] > 0.0 and moved["kl_a8_b8"] > 0.0 and moved["e4m3_elements_differ"] > 0.0
+    assert 0.0 < moved["k_rel_diff_median_last_layer"]
+    md = (out / "kv_decorrelation.md").read_text()
+    assert "| 0.05 |" in md and "shared part" in md
