@@ -10,10 +10,10 @@ sides' FP8 errors stop being the same error.
 
 Setup. SmolLM2-135M-Instruct in fp32 on CPU (packaged GGUF); held-out Wikipedia windows. Forward A is the
 model. Forward B is the model with every attention layer's k_proj and v_proj output scaled elementwise by
-(1 + eps * n), n ~ N(0, 1), fixed per layer and position: a stand-in for the engine's kernel differences.
-Each runs with the bf16 cache and with the fp8_e4m3 cache emulation (`quant.kv_attention=none`, per-layer
-scales calibrated once, max, on A's K and V of calibration articles; B uses the same scales, as the engine
-loads the exported ones). Reported per eps:
+(1 + eps * n), n ~ N(0, 1), fixed per layer, projection and position: a stand-in for the engine's kernel
+differences. Each runs with its cache unquantized (fp32) and with the fp8_e4m3 cache emulation
+(`quant.kv_attention=none`, per-layer scales calibrated once, max, on A's K and V of calibration articles; B
+uses the same scales, as the engine loads the exported ones). Reported per eps:
 
 * KL(A || B): the floor, what the two forwards differ by without FP8;
 * KL(A || A8), KL(B || B8): each side's FP8 error;
