@@ -56,6 +56,43 @@ def test_transition_rebuilds_the_trainers_ptq_start_exactly(tmp_path, work):
     assert d["bin_change_fraction"] == 0.0 and d["rel_weight_change"] < 1e-9 and d["quantized_weights"] > 0
 
 
+def test_an_arm_cut_by_its_call_is_saved_early_and_reruns_in_the_same_run_dir(tmp_path, monkeypatch):
+    """A device call's time limit can cut a job anywhere. Cut in the diagnostics: the trained arm is already
+    in the JSON (diagnostics 'not finished'). Run again: the finished run is reused, not retrained. Cut in
+    the training (no summary.json): the rerun starts it over instead of stopping on the run directory."""
+    work = tmp_path / "w"     # its own: the run directory's name is the SEQ smoke arm's
+    args = ["--smoke", "--arms", "seq", "--seeds", "1", "--rows-only", "--out", str(tmp_path / "o"), "--work", str(work)]
+    real = C.transition
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt("the call's time limit")
+    monkeypatch.setattr(C, "transition", cut)
+    with pytest.raises(KeyboardInterrupt):
+        S.main(args + ["--lr", "1e-3"])
+    row = json.loads((tmp_path / "o" / "paretoq_seq_vs_lsq.json").read_text())["arms"][0]
+    assert row["diagnostics"] == "not finished" and math.isnan(row["bin_change_fraction"])
+    assert math.isfinite(row["qat"]["eval/ppl"]) and row["label"] == "2-bit SEQ"
+    S.main(["--merge", str(tmp_path / "o"), "--out", str(tmp_path / "m")])
+    assert "the job was cut while its diagnostics ran" in (tmp_path / "m" / "paretoq_seq_vs_lsq.md").read_text()
+    run_dir = work / "ce-int2_seq-s0"
+    stamp = (run_dir / "summary.json").stat().st_mtime_ns
+    monkeypatch.setattr(C, "transition", real)
+    assert S.main(args + ["--lr", "1e-3"]) == 0
+    again = json.loads((tmp_path / "o" / "paretoq_seq_vs_lsq.json").read_text())["arms"][0]
+    assert (run_dir / "summary.json").stat().st_mtime_ns == stamp            # not trained again
+    assert again["diagnostics"] == "done" and 0.0 <= again["bin_change_fraction"] < 1.0
+    assert again["qat"] == row["qat"] and again["curve"] == row["curve"]
+    # other overrides in a finished run: not reused, and the trainer refuses the directory as before
+    from qatfactory.train.rundir import RunDirError
+    with pytest.raises(RunDirError, match="already holds a run"):
+        S.main(args + ["--lr", "2e-3"])
+    # cut in the training: metrics.jsonl but no summary.json -> resume=auto, the run starts over
+    (run_dir / "summary.json").unlink()
+    assert S.main(args + ["--lr", "1e-3"]) == 0
+    third = json.loads((tmp_path / "o" / "paretoq_seq_vs_lsq.json").read_text())["arms"][0]
+    assert (run_dir / "summary.json").is_file() and third["diagnostics"] == "done"
+
+
 def test_seq_vs_lsq_smoke(tmp_path, work):
     assert S.main(["--smoke", "--seeds", "1", "--out", str(tmp_path), "--work", str(work)]) == 0
     res, md = _outputs(tmp_path, "paretoq_seq_vs_lsq")
@@ -193,10 +230,21 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     md = (out / "paretoq_split.md").read_text()
     assert res["best_fraction"] == {"4": 1.0, "2": 1.0}
     assert "**Not run yet (or not complete)**: 4-bit seed 1, 2-bit seed 1." in md
-    assert "| 4 | 2.5 | 2.4 | 1.5 | 1 |" in md
+    # the design has two seeds: a mean of one says so, and so does the best f drawn from such means
+    assert "| 4 | 2.5 (seed 0 only) | 2.4 (seed 0 only) | 1.5 (seed 0 only) | 1 (f=0, 0.1, 1 from fewer seeds) |" in md
     # a minimum over some of the fractions is named as such, not as the design's optimum
     rows = [r for r in json.loads((tmp_path / "split2" / "paretoq_split.json").read_text())["arms"] if r["f"] != 0.1]
     (tmp_path / "split2" / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
     assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split2"), "--out", str(out)]) == 0
     md = (out / "paretoq_split.md").read_text()
-    assert "| 2 | 2.5 | nan | 1.5 | 1 (of the 2 of 3 fractions run) |" in md and "| 4 | 2.5 | 2.4 | 1.5 | 1 |" in md
+    assert "| 2 | 2.5 (seed 0 only) | nan | 1.5 (seed 0 only) | 1 (of the 2 of 3 fractions run; f=0, 1 from fewer seeds) |" in md
+    # with both seeds in, the means are plain numbers and the best f needs no qualifier
+    for bits in ("4", "2"):
+        d = tmp_path / f"split{bits}s1"
+        d.mkdir()
+        rows = [{"bits": bits, "f": f, "seed": 1, "fp_steps": 0, "qat_steps": 10, "bpt_fp": 2.0,
+                 "bpt_quantized": 2.7 - f, "tokens": 1} for f in (0.0, 0.1, 1.0)]
+        (d / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+    assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split4s1"), "--out", str(out)]) == 0
+    md = (out / "paretoq_split.md").read_text()
+    assert "| 4 | 2.6 | 2.5 | 1.6 | 1 |" in md

@@ -37,32 +37,26 @@
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
 #   9-12  ... run paretoq_seqlsq_seq0 / _lsq0 / _seq1 / _lsq1           (1,500 steps each, ~4-8.5 min)
 #   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
-# Fewer device minutes: SmolLM2 jobs are host-bound and the machine has 16 cores, so `PACK=1 bash
-# benchmarks/gpu/methods.sh par J1 J2 J3` runs them at once in one call and brings back one file (methods.tgz:
-# merge from its unpacked folders). Measured on an H100, 2026-12-06 (`PRESET=probe PACK=1 ... par paretoq4
-# paretoq2 paretoq_seqlsq_seq0 paretoq_split4s0`, 196 s; results/h100_20261206_s33/paretoq_probe): sharing the
-# GPU three or four ways, a SmolLM2 step took 208-214 ms and each arm ~115-130 s besides its steps (load,
-# evaluations, diagnostics); the split's byte model 64-75 ms. So three 1,500-step jobs fit one call
-# (1,500 x 0.21 s + ~130 s ~= 450 s); `par` rows time nothing. A job's rows are written at its end, so a job
-# cut by its timeout loses them, and a call past 600 s brings nothing back: T_PARETOQ=530 leaves the packing
-# and the data step (~46 s for the GGUF -> model directory, once per machine) room. The plan, after the
-# preflight and stash calls of a fresh machine (~1,600 device s for the C1 tables):
-#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2   (the conversion here)
-#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq158 paretoq1 paretoq_seqlsq_seq0
-#   PACK=1 T_PARETOQ=530 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_seqlsq_lsq1
-# and the split in a later lease, two halves per (bits, seed) as above, two halves sharing a call.
-# The split's byte model is GPU-bound, not host-bound: four split jobs at once (H100, 2026-12-06 14:01-14:17,
-# session 34) took 184-186 ms a step each (bf16) and 167-183 ms (QAT), ~4x the 47-69 ms of one alone, so running
-# them together gains nothing; beside host-bound SmolLM2 jobs it took 64-75 ms (session 33). That session ran the
-# fractions 0, 0.4 and 1 of every (bits, seed); left: 0.05, 0.1, 0.2 (PARETOQ_FRACTIONS=0.05,0.1,0.2: three arms,
-# ~3,400 steps, ~260 s beside SmolLM2 jobs). paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ (same
-# overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder), and the 500-step
-# 4/3-bit jobs end early. The plan for what is left, after the preflight (CUDA_TESTS=tests/test_lowbit_batch_cuda.py
-# keeps it short) and stash calls of a fresh machine (~1,750 device s):
-#   PACK=1 T_PARETOQ=530 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq4 paretoq3 paretoq2 paretoq158 paretoq_split4s0
-#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq1 paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1 paretoq_split2s0
-#   PACK=1 T_PARETOQ=550 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh par paretoq_seqlsq_lsq1 paretoq_split4s1 paretoq_split2s1
-# (the first untried: five processes; the third: two split groups, GPU-bound, ~6 x 75 s, beside one SmolLM2 job).
+# Measured on an H100, 2026-12-06 (session 35; results/h100_20261206_s35): sharing the GPU does NOT pay for
+# these jobs. One 1,500-step SmolLM2 arm alone trains in 215 s (135-143 ms a step) and its whole job takes
+# 228 s. Three at once (`par`): 450-457 s of training each (~304 ms a step, 1.4x the throughput of one) and
+# then their diagnostics (CPU) did not end in 85 s, so all three were cut at 540 s (16 threads per job on 16
+# cores: `par` now gives each job its share, untimed since). Six at once (4 SmolLM2 + 2 splits): ~500 ms a
+# SmolLM2 step and ~240-290 ms a split step; the two 1,500-step jobs were cut, the 500-step ones took ~500 s.
+# A job's row is now saved as soon as its training ends (diagnostics added after, 'nan' if cut there), and
+# a job run again in the same $WORK reuses an arm that finished with the same overrides (paretoq_common.run_arm)
+# and restarts one cut in training (resume=auto), so a cut job can be finished by the next call of a warm
+# machine. The split's byte model alone: 47-69 ms a step, ~90-100 s an arm (1,200 steps + evaluations).
+# What is left of issue 19 (session 35 ran 4, 3, 1 bits and the split's f = 0.05 at seed 0), sequential `run`
+# calls, each well under 600 s, after the preflight (CUDA_TESTS=tests/test_lowbit_batch_cuda.py) and stash:
+#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158                          (carry part-ab; ~470 s)
+#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1      (~470 s)
+#   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1 paretoq_split4s1  (~520 s)
+#   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split2s1                      (~300 s)
+#   PACK=1 PARETOQ_FRACTIONS=0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s0 paretoq_split2s0          (~400 s)
+# (~2,300 device s with the staging: two leases). paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ
+# (same overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder).
+# PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).
 # A machine that will not start still costs ~70-90 device s per try (session 34 lost ~700 s that way): space tries.
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
@@ -205,10 +199,17 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
     run)
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;
-    par)    # the same jobs at once on the one GPU (small models are host-bound: they share it well);
-            # each keeps its own timeout; quality tables only: never time anything this way
+    par)    # the same jobs at once on the one GPU; each keeps its own timeout; quality tables only: never
+            # time anything this way. Each job gets its share of the cores for its CPU threads (torch's
+            # intra-op pool, OpenMP, MKL): 16 threads per job on 16 cores left the CPU-side work of three jobs
+            # (the ParetoQ diagnostics rebuild and pack a 135M model on the CPU) >10x slower (session 35)
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
-        for j in "$@"; do run_job "$j" > "$OUT/methods-$j.tail" 2>&1 & done
+        thr=$(( $(nproc) / ($# > 0 ? $# : 1) )); [ "$thr" -ge 1 ] || thr=1
+        echo "[methods] par: $# jobs, ${PAR_THREADS:-$thr} CPU threads each" | tee -a "$OUT/methods.log"
+        for j in "$@"; do
+            ( export OMP_NUM_THREADS=${PAR_THREADS:-$thr} MKL_NUM_THREADS=${PAR_THREADS:-$thr}; run_job "$j" ) \
+                > "$OUT/methods-$j.tail" 2>&1 &
+        done
         wait; cat "$OUT"/methods-*.tail ;;
     *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv papers; paretoq_pilot" \
             "paretoq4 paretoq3 paretoq2 paretoq158 paretoq1 paretoq_seqlsq_{seq,lsq}{0,1} paretoq_split{4,2}s{0,1})" >&2; exit 2 ;;

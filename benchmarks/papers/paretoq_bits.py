@@ -136,19 +136,30 @@ def gate_can_run() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, calib="max") -> Dict[str, Any]:
+def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, calib="max",
+            save=None) -> Dict[str, Any]:
+    """One arm's row. With save (row -> None), the row is saved as soon as the training has ended and again
+    with the diagnostics (C.with_diagnostics): a job cut while they run keeps the trained arm."""
     run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}"
     t0 = time.time()
     over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib, export=s["export"])
     sm = C.run_arm(over)
     first, last = C.eval_at(sm, last=False), C.eval_at(sm)
-    diag = C.transition(over, sm["student_dir"])
-    return {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": steps, "lr": lr, "calib": calib,
-            "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
-            "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
-            **diag, "gate_ok": sm.get("verify_ok"), "tokens": sm.get("tokens"), "seconds": time.time() - t0,
-            "train_s": sm.get("time_s"), "step_ms": C.step_ms(run_dir),
-            "run_dir": str(run_dir)}
+    row = {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": steps, "lr": lr, "calib": calib,
+           "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
+           "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
+           "gate_ok": sm.get("verify_ok"), "tokens": sm.get("tokens"), "seconds": time.time() - t0,
+           "train_s": sm.get("time_s"), "step_ms": C.step_ms(run_dir), "run_dir": str(run_dir)}
+    C.with_diagnostics(row, over, sm["student_dir"], save)
+    row["seconds"] = time.time() - t0
+    return row
+
+
+def save_row(path: Path, res: Dict[str, Any], row: Dict[str, Any]) -> None:
+    """The row into res["arms"] (once: the same dict is saved again when it grows) and res onto path."""
+    if not any(r is row for r in res["arms"]):
+        res["arms"].append(row)
+    C.write_json(path, res)
 
 
 def missing(res: Dict[str, Any]) -> Dict[str, List[str]]:
@@ -203,6 +214,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     if gone:
         text += ["", "**Not run yet** (no arm in the merged rows): " + "; ".join(
             f"{loss.upper()} {', '.join(b)} bits" for loss, b in gone.items())]
+    text += C.cut_note(res["arms"])
     if any(r["gate_ok"] is None for r in res["arms"]):
         text += ["", "gate 'not run': those arms trained without an export (no llama.cpp runtime on that machine, "
                      "which the gate's llama.cpp check needs); every grid's GGUF export passes the gate on a CPU "
@@ -300,9 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             hi = float(bits) >= 3
             C.say(f"{loss} {bits}-bit ({fmt})")
-            res["arms"].append(run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss,
-                                       s["steps_hi"] if hi else s["steps_lo"], s["lr_hi"] if hi else lr_lo))
-            C.write_json(args.out / "paretoq_bits.json", res)
+            run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss, s["steps_hi"] if hi else s["steps_lo"],
+                    s["lr_hi"] if hi else lr_lo, save=lambda row: save_row(args.out / "paretoq_bits.json", res, row))
     C.write_json(args.out / "paretoq_bits.json", res)
     if args.rows_only or args.pilot_only:
         C.say(f"rows written: {args.out / 'paretoq_bits.json'} ({[(r['loss'], r['bits']) for r in res['arms']]}"

@@ -9,7 +9,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,15 +92,68 @@ def llama_in_features(hidden: int, inter: int, heads_x_dim: Optional[int] = None
 
 def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
     """One trainer run (compose + run, shipped when it asks for an export, engine released); returns
-    its summary."""
+    its summary.
+
+    Rerunnable on the same run_dir, which a device call cut by its time limit needs: a run that ended with
+    exactly these overrides (its summary.json beside our record of them, OVERRIDES_FILE) is not trained
+    again, its summary is read back with the student at run_dir/student; a run cut before its end is handed
+    to the trainer with resume=auto (it continues from a checkpoint, or starts over when it saved none). A
+    finished run with other overrides is left alone and refused by the trainer, as before."""
     from qatfactory.ship import train_and_ship as run
     from qatfactory.train.config import compose
     cfg = compose(list(overrides))
+    d = Path(cfg.run_dir) if cfg.run_dir else None
+    if d is not None:
+        done = finished_run(d, overrides)
+        if done is not None:
+            say(f"{d.name}: finished earlier with the same overrides; its summary reused, not trained again")
+            return done
+        if (d / "metrics.jsonl").is_file() and not (d / "summary.json").is_file():
+            say(f"{d.name}: cut before its end earlier; resume=auto")
+            cfg = compose(list(overrides) + ["resume=auto"])
     s = run(cfg)
     eng = s.pop("engine", None)
     if eng is not None:
         eng.destroy()
+    if d is not None and (d / "summary.json").is_file():
+        write_json(d / OVERRIDES_FILE, list(overrides))
     return s
+
+
+OVERRIDES_FILE = "paretoq_overrides.json"
+
+
+def finished_run(d: Path, overrides: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """The summary of a run in d that ended with exactly these overrides, else None. The student is taken
+    at d/student (never at a path read from the file)."""
+    rec, summ = d / OVERRIDES_FILE, d / "summary.json"
+    if not (rec.is_file() and summ.is_file()):
+        return None
+    try:
+        same = json.loads(rec.read_text()) == list(overrides)
+        s = json.loads(summ.read_text())
+    except (OSError, ValueError):
+        return None
+    if not same or not isinstance(s, dict) or not isinstance(s.get("eval_history"), list):
+        return None
+    s.pop("student_dir", None)
+    if (d / "student").is_dir():
+        s["student_dir"] = str(d / "student")
+    return s
+
+
+def with_diagnostics(row: Dict[str, Any], overrides: Sequence[str], student_dir: str,
+                     save: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Adds transition()'s measures to an arm's row. With save, the row is saved first with them pending
+    (NaN, diagnostics 'not finished'), so that a job cut while they run keeps what it trained, then again."""
+    if save is not None:
+        row.update(rel_weight_change=float("nan"), bin_change_fraction=float("nan"), quantized_weights=None,
+                   diagnostics="not finished")
+        save(row)
+    row.update(transition(overrides, student_dir), diagnostics="done")
+    if save is not None:
+        save(row)
+    return row
 
 
 def step_ms(run_dir) -> Optional[float]:
@@ -180,6 +233,14 @@ def merged_note(res: Dict[str, Any]) -> List[str]:
         parts.append(f"{m['file']} ({env.get('date', '?')}, {env.get('device', '?')}: "
                      f"{', '.join(' '.join(str(x) for x in a) for a in m['arms']) or 'no arms'})")
     return ["", "Merged from: " + "; ".join(parts)]
+
+
+def cut_note(arms: Sequence[Dict[str, Any]]) -> List[str]:
+    """The report line for rows whose job was cut while its diagnostics ran (C.with_diagnostics)."""
+    if not any(r.get("diagnostics") == "not finished" for r in arms):
+        return []
+    return ["", "rel dW / bins changed 'nan': the job was cut while its diagnostics ran; the row was saved when "
+                "its training ended, and its other columns are complete."]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -109,10 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             C.say(f"{label} seed {seed}")
             # the format recipe sets the learnable strategy; the weight format and the init are the arm's.
             # Export off: this script compares training; paretoq_bits.py exports every grid
-            r = _arm(s, data, args.smoke, work, recipe, fmt, args.loss, s["steps_lo"], lr, seed, calib)
-            r["label"] = label
-            res["arms"].append(r)
-            C.write_json(args.out / "paretoq_seq_vs_lsq.json", res)
+            _arm(s, data, args.smoke, work, recipe, fmt, args.loss, s["steps_lo"], lr, seed, calib, label,
+                 save=lambda row: B.save_row(args.out / "paretoq_seq_vs_lsq.json", res, row))
     C.write_json(args.out / "paretoq_seq_vs_lsq.json", res)
     if args.rows_only:
         C.say(f"rows written: {args.out / 'paretoq_seq_vs_lsq.json'}")
@@ -123,15 +121,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _arm(s, data, smoke, work, recipe, fmt, loss, steps, lr, seed, calib) -> Dict[str, Any]:
+def _arm(s, data, smoke, work, recipe, fmt, loss, steps, lr, seed, calib, label, save=None) -> Dict[str, Any]:
+    """One arm's row, saved (save) as soon as the training has ended and again with the diagnostics."""
     run_dir = work / f"{loss}-{fmt}-s{seed}"
     over = B.arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib, export=False)
     over += [f"quant.weight_format={fmt}", f"model.init_seed={seed}"] if smoke else [f"quant.weight_format={fmt}"]
     sm = C.run_arm(over)
     first, last = C.eval_at(sm, last=False), C.eval_at(sm)
-    return {"format": fmt, "calib": calib, "seed": seed, "steps": steps, "lr": lr, "step_ms": C.step_ms(run_dir),
-            "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl")}, "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl")},
-            **C.transition(over, sm["student_dir"]), "curve": [(h["step"], h.get("eval/ppl")) for h in sm["eval_history"]]}
+    row = {"format": fmt, "calib": calib, "seed": seed, "steps": steps, "lr": lr, "step_ms": C.step_ms(run_dir),
+           "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl")}, "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl")},
+           "curve": [(h["step"], h.get("eval/ppl")) for h in sm["eval_history"]], "label": label}
+    return C.with_diagnostics(row, over, sm["student_dir"], save)
 
 
 def report(out: Path, res: Dict[str, Any]) -> None:
@@ -157,6 +157,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             f"KL SEQ {a['eval/kl']:.4g}, LSQ {b['eval/kl']:.4g}."]
     if gone and not res.get("smoke"):
         text += ["", "**Not run yet**: " + ", ".join(gone) + " (the design: both arms x 2 seeds)."]
+    text += C.cut_note(res["arms"])
     text += C.merged_note(res)
     res["mean"] = mean
     res["lsq_vs_seq_ppl_percent"] = gap

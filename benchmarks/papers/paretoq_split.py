@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paretoq_common as C  # noqa: E402
@@ -97,26 +97,38 @@ def merge(paths: List[Path]) -> Dict[str, Any]:
     return out
 
 
-def _best(f, m: Dict[float, float], res: Dict[str, Any]) -> str:
+def _best(f, m: Dict[float, float], res: Dict[str, Any], thin: Sequence[float] = ()) -> str:
     """The best fraction, qualified when not every fraction of the design has a mean yet (a minimum over a
-    subset is not the optimum the design asks for)."""
+    subset is not the optimum the design asks for) and when some means stand on fewer seeds than the design's."""
     n = len(res["setting"]["fractions"])
     if f is None:
         return "-"
-    return f"{f:g}" if len(m) == n else f"{f:g} (of the {len(m)} of {n} fractions run)"
+    why = [] if len(m) == n else [f"of the {len(m)} of {n} fractions run"]
+    if thin:
+        why.append("f=" + ", ".join(f"{x:g}" for x in thin) + " from fewer seeds")
+    return f"{f:g}" + (f" ({'; '.join(why)})" if why else "")
+
+
+def _cell(v: float, seeds: List[int], n_seeds: int) -> Any:
+    """A mean as a number, or with the seeds it stands on when the design has more."""
+    if len(seeds) >= n_seeds:
+        return v
+    return f"{v:.4g} (seed {', '.join(map(str, seeds))} only)"
 
 
 def report(out: Path, res: Dict[str, Any]) -> None:
     rows = [[r["bits"], r["f"], r["seed"], r["fp_steps"], r["qat_steps"], r["bpt_fp"], r["bpt_quantized"]]
             for r in res["arms"]]
-    best, mean = {}, {}
+    best, mean, seeds_of = {}, {}, {}
+    n_seeds = int(res["setting"].get("seeds") or 1)
     for bits in sorted({r["bits"] for r in res["arms"]}, reverse=True):
-        m = {}
+        m, sd = {}, {}
         for f in res["setting"]["fractions"]:
-            v = [r["bpt_quantized"] for r in res["arms"] if r["bits"] == bits and r["f"] == f]
-            if v:
-                m[f] = statistics.fmean(v)
-        mean[bits] = m
+            got = [r for r in res["arms"] if r["bits"] == bits and r["f"] == f]
+            if got:
+                m[f] = statistics.fmean(r["bpt_quantized"] for r in got)
+                sd[f] = sorted(r["seed"] for r in got)
+        mean[bits], seeds_of[bits] = m, sd
         best[bits] = min(m, key=m.get) if m else None
     res["mean_bpt"] = {b: {str(k): v for k, v in m.items()} for b, m in mean.items()}
     res["best_fraction"] = best
@@ -127,7 +139,9 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             C.md_table(["bits", "QAT fraction f", "seed", "FP steps", "QAT steps", "FP model bpt", "quantized bpt"], rows),
             "", "Mean quantized bits per token over seeds:", "",
             C.md_table(["bits"] + [f"f={f:g}" for f in res["setting"]["fractions"]] + ["best f"],
-                       [[b] + [mean[b].get(f, float("nan")) for f in res["setting"]["fractions"]] + [_best(best[b], mean[b], res)]
+                       [[b] + [_cell(mean[b][f], seeds_of[b][f], n_seeds) if f in mean[b] else float("nan")
+                               for f in res["setting"]["fractions"]]
+                        + [_best(best[b], mean[b], res, [f for f in mean[b] if len(seeds_of[b][f]) < n_seeds])]
                         for b in mean]),
             "", "ParetoQ reports the optimum near f = 0.1 (MobileLLM); this table is the measurement, not that claim."]
     have = {(r["bits"], r["f"], r["seed"]) for r in res["arms"]}
