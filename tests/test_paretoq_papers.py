@@ -174,6 +174,17 @@ def test_bit_sweep_rows_of_one_call_then_merged(tmp_path, work):
     assert B.main(["--merge", str(b), str(a), str(c), "--out", str(out)]) == 0
     res = json.loads((out / "paretoq_bits.json").read_text())
     assert [r["qat"]["eval/ppl"] for r in res["arms"] if r["bits"] == "4"] == [18.0]
+    # --low-setting: a 4-bit arm at the steps and LR below 3 bits, in a run directory of its own; merged
+    # beside the design's 4-bit row, not over it
+    d = tmp_path / "call-4bit-low"
+    assert B.main(["--smoke", "--bits", "4", "--low-setting", "--lr-lo", "2e-3", "--no-teacher", "--rows-only",
+                   "--export", "off", "--out", str(d), "--work", str(work)]) == 0
+    rd = json.loads((d / "paretoq_bits.json").read_text())["arms"]
+    assert [(r["bits"], r["steps"], r["lr"]) for r in rd] == [("4", 6, 2e-3)]
+    assert rd[0]["run_dir"].endswith("-low") and rd[0]["diagnostics"] == "done"
+    assert B.main(["--merge", str(b), str(a), str(c), str(d), "--out", str(out)]) == 0
+    res = json.loads((out / "paretoq_bits.json").read_text())
+    assert [(r["steps"], r["lr"]) for r in res["arms"] if r["bits"] == "4"] == [(5, 1e-5), (6, 2e-3)]
 
 
 def test_seq_vs_lsq_takes_the_bit_sweeps_2bit_seq_row(tmp_path):

@@ -54,6 +54,8 @@
 #   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1 paretoq_split4s1  (~520 s)
 #   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split2s1                      (~300 s)
 #   PACK=1 PARETOQ_FRACTIONS=0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s0 paretoq_split2s0          (~400 s)
+#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq3lo        (an ablation, ~230 s: 3 bits at 1,500 steps and 1e-4,
+#        since 500 steps at 1e-5 left 3 bits at PPL 74.8 from a PTQ start of 9,779, worse than 2-bit SEQ's 50.9)
 # (~2,300 device s with the staging: two leases). paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ
 # (same overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder).
 # PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).
@@ -127,13 +129,15 @@ args_for() {
         paretoq)    # issue 19: the whole C1 bit sweep (CE) in one job: does NOT fit a call, use the jobs below
             [ $p = probe ] && echo "120|$PY benchmarks/papers/paretoq_bits.py --out $d --bits 4 --no-pilot --device cuda" \
                            || echo "${T_PARETOQ:-330}|$PY benchmarks/papers/paretoq_bits.py --out $d --device cuda" ;;
-        paretoq_pilot|paretoq4|paretoq3|paretoq2|paretoq158|paretoq1)   # issue 19, C1: one bit width per job
+        paretoq_pilot|paretoq4|paretoq3|paretoq3lo|paretoq2|paretoq158|paretoq1)   # issue 19, C1: one bit width per job
             local a="--out $d --device cuda --rows-only --loss ${PARETOQ_LOSS:-ce}" pr=""
             [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
             case $j in
                 paretoq_pilot) a="$a --pilot-only --no-teacher" ;;
                 paretoq4)      a="$a --bits 4" ;;                   # + the unquantized row (teacher)
                 paretoq3)      a="$a --bits 3 --no-teacher" ;;
+                paretoq3lo)    # the ablation session 35's 3-bit row asks for: 3 bits at the setting below 3 bits
+                               a="$a --bits 3 --no-teacher --low-setting --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq2)      a="$a --bits 2 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq158)    a="$a --bits 1.58 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq1)      a="$a --bits 1 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
@@ -212,7 +216,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         done
         wait; cat "$OUT"/methods-*.tail ;;
     *) echo "usage: $0 preflight|stash|run|par [JOB...]  (jobs: step scale_qlora qerl qerl_merge kv papers; paretoq_pilot" \
-            "paretoq4 paretoq3 paretoq2 paretoq158 paretoq1 paretoq_seqlsq_{seq,lsq}{0,1} paretoq_split{4,2}s{0,1})" >&2; exit 2 ;;
+            "paretoq4 paretoq3 paretoq3lo paretoq2 paretoq158 paretoq1 paretoq_seqlsq_{seq,lsq}{0,1} paretoq_split{4,2}s{0,1})" >&2; exit 2 ;;
 esac
 if [ -n "$PACK_TO" ]; then
     mkdir -p "$PACK_TO" && tar czf "$PACK_TO/methods.tgz.part" -C "$OUT" . && mv "$PACK_TO/methods.tgz.part" "$PACK_TO/methods.tgz" \

@@ -137,10 +137,11 @@ def gate_can_run() -> bool:
 
 
 def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, calib="max",
-            save=None) -> Dict[str, Any]:
+            save=None, tag: str = "") -> Dict[str, Any]:
     """One arm's row. With save (row -> None), the row is saved as soon as the training has ended and again
-    with the diagnostics (C.with_diagnostics): a job cut while they run keeps the trained arm."""
-    run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}"
+    with the diagnostics (C.with_diagnostics): a job cut while they run keeps the trained arm. tag: a
+    suffix of the run directory for an arm outside the design's setting (--low-setting)."""
+    run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}{tag}"
     t0 = time.time()
     over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib, export=s["export"])
     sm = C.run_arm(over)
@@ -171,7 +172,8 @@ def missing(res: Dict[str, Any]) -> Dict[str, List[str]]:
 
 def merge(paths: List[Path]) -> Dict[str, Any]:
     """One result from the paretoq_bits.json of several calls: every arm (a later file's arm replaces an
-    earlier one of the same loss, bits, format and seed), the first teacher row and pilot per loss found."""
+    earlier one of the same loss, bits, format, seed, steps and LR: a --low-setting row stands beside the
+    design's), the first teacher row and pilot per loss found."""
     out: Dict[str, Any] = {"arms": [], "merged_from": []}
     arms: Dict[tuple, Dict[str, Any]] = {}
     for p in paths:
@@ -185,9 +187,10 @@ def merge(paths: List[Path]) -> Dict[str, Any]:
         for loss, pl in (r.get("pilot") or {}).items():
             out.setdefault("pilot", {}).setdefault(loss, pl)
         for a in r["arms"]:
-            arms[(a["loss"], a["bits"], a["format"], a.get("seed", 0))] = a
+            arms[(a["loss"], a["bits"], a["format"], a.get("seed", 0), a.get("steps"), a.get("lr"))] = a
     order = {a[0]: i for i, a in enumerate(ARMS)}
-    out["arms"] = sorted(arms.values(), key=lambda a: (a["loss"] != "ce", order.get(a["bits"], 99), a.get("seed", 0)))
+    out["arms"] = sorted(arms.values(), key=lambda a: (a["loss"] != "ce", order.get(a["bits"], 99), a.get("seed", 0),
+                                                       a.get("steps") or 0))
     out.setdefault("teacher", {})
     return out
 
@@ -268,6 +271,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "run the parity gate (auto: where llama.cpp's runtime is importable, which the gate needs)")
     ap.add_argument("--steps", type=int, default=None, help="steps of every arm and of the pilot (a probe; "
                     "default: the design's 500 / 1,500 / 300)")
+    ap.add_argument("--low-setting", action="store_true", help="every arm at the setting below 3 bits (its steps "
+                    "and LR): an ablation row for 3 / 4 bits beside the design's 500 steps at 1e-5")
     ap.add_argument("--no-teacher", action="store_true", help="skip the unquantized row (another call has it)")
     ap.add_argument("--rows-only", action="store_true", help="write paretoq_bits.json only (its arms): "
                     "--merge builds the table")
@@ -301,7 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     losses = ["ce", "kl"] if args.loss == "both" else [args.loss]
     for loss in losses:
         lr_lo = s["lr_lo"][0] if args.lr_lo is None else args.lr_lo
-        if args.pilot_only or (not args.no_pilot and args.lr_lo is None and any(float(b) < 3 for b in want)):
+        if args.pilot_only or (not args.no_pilot and args.lr_lo is None
+                               and (args.low_setting or any(float(b) < 3 for b in want))):
             res.setdefault("pilot", {})[loss] = p = pilot_lr(s, data, args.smoke, work, loss)
             lr_lo = p["chosen"]
             C.write_json(args.out / "paretoq_bits.json", res)
@@ -310,10 +316,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         for bits, recipe, fmt, _ in ARMS:
             if bits not in want:
                 continue
-            hi = float(bits) >= 3
-            C.say(f"{loss} {bits}-bit ({fmt})")
+            hi = float(bits) >= 3 and not args.low_setting
+            C.say(f"{loss} {bits}-bit ({fmt}){' at the setting below 3 bits' if args.low_setting and not hi else ''}")
             run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss, s["steps_hi"] if hi else s["steps_lo"],
-                    s["lr_hi"] if hi else lr_lo, save=lambda row: save_row(args.out / "paretoq_bits.json", res, row))
+                    s["lr_hi"] if hi else lr_lo, save=lambda row: save_row(args.out / "paretoq_bits.json", res, row),
+                    tag="-low" if args.low_setting and float(bits) >= 3 else "")
     C.write_json(args.out / "paretoq_bits.json", res)
     if args.rows_only or args.pilot_only:
         C.say(f"rows written: {args.out / 'paretoq_bits.json'} ({[(r['loss'], r['bits']) for r in res['arms']]}"
