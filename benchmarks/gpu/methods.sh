@@ -68,7 +68,9 @@
 # PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).
 # A machine that will not start still costs ~70-90 device s per try (session 34 lost ~700 s that way): space tries.
 # A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
-# reruns the C1 jobs as QAD. Then here, no GPU (D = each call's files_at/<job> folder):
+# reruns the C1 jobs as QAD. Then here, no GPU: each call's methods.tgz into one results folder (device paths
+# replaced by names, progress bars thinned, nothing overwritten; it prints the job folders D to merge):
+#   python benchmarks/gpu/unpack_results.py --dest benchmarks/results/<gpu>_<date>_s<N> call_a=<files_at>/methods.tgz ...
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
 #   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq
 #   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split
