@@ -213,6 +213,14 @@ def test_seq_vs_lsq_takes_the_bit_sweeps_2bit_seq_row(tmp_path):
         S.main(["--merge", str(sweep), str(lsq), "--out", str(out)])
 
 
+def _split_rows(d: Path, sp, bits: str, seed: int, top: float) -> None:
+    """One (bits, seed) call's split rows at the fractions 0, 0.1, 1: quantized bpt = top - f."""
+    d.mkdir()
+    rows = [{"bits": bits, "f": f, "seed": seed, "fp_steps": 0, "qat_steps": 10, "bpt_fp": 2.0,
+             "bpt_quantized": top - f, "tokens": 1} for f in (0.0, 0.1, 1.0)]
+    (d / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+
+
 def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     base = {"smoke": False, "env": _env("2026-12-02 11:00 UTC"), "data": {"split": "wiki"}, "lr": 2e-5,
             "setting": {}}
@@ -230,11 +238,7 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     sp = {"smoke": False, "env": _env("2026-12-02 12:00 UTC"), "data": {"split": "wiki"},
           "setting": {"budget": 10, "micro": 2, "seq": 8, "fractions": [0.0, 0.1, 1.0], "seeds": 2}}
     for bits in ("4", "2"):
-        d = tmp_path / f"split{bits}"
-        d.mkdir()
-        rows = [{"bits": bits, "f": f, "seed": 0, "fp_steps": 0, "qat_steps": 10, "bpt_fp": 2.0,
-                 "bpt_quantized": 2.5 - f, "tokens": 1} for f in (0.0, 0.1, 1.0)]
-        (d / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+        _split_rows(tmp_path / f"split{bits}", sp, bits, 0, 2.5)
     out = tmp_path / "split"
     assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split2"), "--out", str(out)]) == 0
     res = json.loads((out / "paretoq_split.json").read_text())
@@ -251,11 +255,7 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     assert "| 2 | 2.5 (seed 0 only) | nan | 1.5 (seed 0 only) | 1 (of the 2 of 3 fractions run; f=0, 1 from fewer seeds) |" in md
     # with both seeds in, the means are plain numbers and the best f needs no qualifier
     for bits in ("4", "2"):
-        d = tmp_path / f"split{bits}s1"
-        d.mkdir()
-        rows = [{"bits": bits, "f": f, "seed": 1, "fp_steps": 0, "qat_steps": 10, "bpt_fp": 2.0,
-                 "bpt_quantized": 2.7 - f, "tokens": 1} for f in (0.0, 0.1, 1.0)]
-        (d / "paretoq_split.json").write_text(json.dumps(dict(sp, arms=rows)))
+        _split_rows(tmp_path / f"split{bits}s1", sp, bits, 1, 2.7)
     assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split4s1"), "--out", str(out)]) == 0
     md = (out / "paretoq_split.md").read_text()
     assert "| 4 | 2.6 | 2.5 | 1.6 | 1 |" in md
