@@ -358,7 +358,7 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
             variants = [(f"student ({att} emulation)", att, torch.bfloat16) for att in BACKENDS.values()] + [
                 ("student (cache-only emulation)", "none", torch.bfloat16), ("student (bf16 KV)", None, torch.bfloat16),
                 ("student (bf16 KV, fp32 compute)", None, torch.float32)]
-            m, m_dtype = None, None
+            m, m_dtype, trained_lp = None, None, None
             for label, att, dtype in variants:
                 if m_dtype != dtype:
                     del m
@@ -378,10 +378,42 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
                         "kl_by_position": kl_by_position(kl)}
                     say(f"vllm_serve seq {seq}: KL({label} || vLLM {b}) {cell['kl'][b][label]['kl']:.5f} "
                         f"by position {cell['kl'][b][label]['kl_by_position']}")
-                del lp
+                if label == f"student ({cell['trained_with']} emulation)" or (
+                        cell["trained_with"] in (None, "none") and label == "student (cache-only emulation)"):
+                    trained_lp = lp                      # the forward the student was trained with
+                else:
+                    del lp
             del m
             torch.cuda.empty_cache()
+            # the teacher (the unquantized model the student was distilled from, bf16 as the student's
+            # forward) against the served model and against the student, on the same tokens
+            from transformers import AutoModelForCausalLM
+            t = AutoModelForCausalLM.from_pretrained(prep_by_seq[seq]["model_dir"], dtype=torch.bfloat16).cuda().eval()
+            with torch.no_grad():
+                tlp = torch.log_softmax(t(input_ids=ids.cuda()).logits.float(), -1)[:, :-1]
+            del t
+            cell["vs_teacher"] = (vs_teacher(tlp, trained_lp, served, a.topk, engines.coarse_kl) if trained_lp is not None
+                                  else {"why": f"no student forward is labelled as trained with {cell['trained_with']!r}"})
+            say(f"vllm_serve seq {seq}: KL(teacher || .) {json.dumps(cell['vs_teacher'])}")
+            del tlp, trained_lp
+            torch.cuda.empty_cache()
         out["cells"][str(seq)] = cell
+    return out
+
+
+def vs_teacher(teacher_lp, student_lp, served: Dict[str, Any], topk: int, coarse_kl) -> Dict[str, Any]:
+    """Issue 22's second reading: does the served model stand as far from the teacher as the student that was
+    trained for it? KL(teacher || X) on X's top-k partition (coarse_kl), for X = each vLLM run (its top-k
+    from the engine) and X = the student's own forward (its top-k taken here, the same coarse-graining).
+    Per vLLM run: the KL, and 'minus student' = how much further from the teacher the served model is than
+    the student (positive: serving costs quality the student did not pay for). teacher_lp / student_lp: full
+    log-probs [sequences, positions, vocab] on the same tokens; served: {run: (top-k ids, top-k log-probs)}."""
+    s_lp, s_ix = student_lp.topk(topk, dim=-1)
+    st, _ = coarse_kl(teacher_lp, s_ix, s_lp)
+    out: Dict[str, Any] = {"student": float(st.mean()), "served": {}}
+    for b, (ix, zlp) in served.items():
+        kl, _ = coarse_kl(teacher_lp, ix, zlp)
+        out["served"][b] = {"kl": float(kl.mean()), "minus_student": float(kl.mean()) - float(st.mean())}
     return out
 
 
@@ -434,6 +466,12 @@ def markdown(rep: Dict[str, Any]) -> str:
               "|---|" + "---|" * len(bs)]
         for label in next(iter(cell["kl"].values())):
             L.append(f"| {label} | " + " | ".join(_f(cell["kl"][b][label]["kl"]) for b in bs) + " |")
+        vt = cell.get("vs_teacher")
+        if vt and "student" in vt:
+            L += ["", f"Against the teacher (seq {seq}): KL(teacher || X) on X's top-{rep.get('topk', 128)} partition. "
+                  f"The student's own forward (kv_attention={cell.get('trained_with')}): {_f(vt['student'])}", "",
+                  "| X = vLLM run | KL(teacher \\|\\| X) | minus the student's |", "|---|---|---|"]
+            L += [f"| {b} | {_f(v['kl'])} | {_f(v['minus_student'])} |" for b, v in vt["served"].items()]
         # the same KL by position bucket, one row per (vLLM run, student forward)
         rows = [(b, label, v["kl_by_position"]) for b in bs for label, v in cell["kl"][b].items()
                 if v.get("kl_by_position")]

@@ -143,3 +143,38 @@ def test_served_attention_scales_are_compared_with_the_exports_layer_by_layer(tm
     short = K.served_scales_vs_export(engines._attention_scales(tree(f32[:1])), tmp_path)
     assert not short["all_equal"] and short["layers_served"] == 1
     assert {(r["layer"], r["served"]) for r in short["mismatches"]} == {(1, None)}
+
+
+def test_served_and_student_are_read_against_the_teacher_on_the_same_partition():
+    """Issue 22's second reading. With the whole vocabulary as the top-k, the coarse KL is the full KL, which
+    torch's kl_div computes independently; a served model that is the student scores exactly the student's
+    KL (minus 0), one further from the teacher scores more, and the report prints both."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    try:
+        import engines
+        import kv_cache
+    finally:
+        del sys.path[:2]
+    g = torch.Generator().manual_seed(0)
+    V = 11
+    teacher = torch.log_softmax(torch.randn(2, 5, V, generator=g), -1)
+    student = torch.log_softmax(teacher + 0.3 * torch.randn(2, 5, V, generator=g), -1)
+    worse = torch.log_softmax(teacher + 1.0 * torch.randn(2, 5, V, generator=g), -1)
+    served = {"same as the student": student.topk(V, -1)[::-1], "further": worse.topk(V, -1)[::-1]}
+    r = kv_cache.vs_teacher(teacher, student, served, V, engines.coarse_kl)
+    full = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+    assert r["student"] == pytest.approx(float(full), rel=1e-5)
+    assert r["served"]["same as the student"]["minus_student"] == pytest.approx(0.0, abs=1e-6)
+    far = torch.nn.functional.kl_div(worse, teacher, log_target=True, reduction="none").sum(-1).mean()
+    assert r["served"]["further"]["kl"] == pytest.approx(float(far), rel=1e-5)
+    assert r["served"]["further"]["minus_student"] > 0
+    # a coarser top-k is a lower bound of the full KL (data processing), read the same way for both sides
+    r3 = kv_cache.vs_teacher(teacher, student, {"k3": worse.topk(3, -1)[::-1]}, 3, engines.coarse_kl)
+    assert 0 <= r3["student"] <= r["student"] + 1e-6 and 0 <= r3["served"]["k3"]["kl"] <= float(far) + 1e-6
+    cell = {"trained_with": "fa3", "backends": {"FLASH_ATTN": {"backend_in_log": "FLASH_ATTN"}},
+            "kl": {"FLASH_ATTN": {"student (fa3 emulation)": {"kl": 0.02}}}, "vs_teacher": r}
+    md = kv_cache.markdown({"smoke": True, "date": "d", "results": [], "engine_checks": {},
+                            "vllm_serve": {"cells": {"5": cell}}})
+    assert "The student's own forward (kv_attention=fa3): " in md and "| X = vLLM run | KL(teacher \\|\\| X) |" in md
+    assert f"| further | {kv_cache._f(far.item())} |" in md
