@@ -178,3 +178,69 @@ def test_served_and_student_are_read_against_the_teacher_on_the_same_partition()
                             "vllm_serve": {"cells": {"5": cell}}})
     assert "The student's own forward (kv_attention=fa3): " in md and "| X = vLLM run | KL(teacher \\|\\| X) |" in md
     assert f"| further | {kv_cache._f(far.item())} |" in md
+
+
+def test_vllm_serve_reads_the_teacher_with_stand_ins_for_the_gpu_and_vllm(tmp_path, monkeypatch):
+    """vllm_serve's own wiring of the teacher reading, on CPU: CUDA and the vLLM child process are stood in
+    for (a tiny random Llama as student and teacher, a fixed top-k as what vLLM served), and vs_teacher is
+    fed the forward the student was trained with (fa3 here; the stand-in makes every emulation a different
+    forward) and the teacher's, on the served tokens."""
+    import subprocess
+    import types
+
+    import numpy as np
+    import transformers
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "gpu"))
+    import engines
+    import kv_cache as K
+    from qatfactory import quantize as Q
+    from qatfactory.nn import kv_cache as KVN
+
+    def tiny(seed):
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+    toks = [[1, 5, 3, 7, 2, 9, 4, 6], [2, 2, 8, 1, 0, 3, 5, 7]]
+    ix = torch.arange(4).expand(2, 7, 4).contiguous()
+    lp = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.05])).expand(2, 7, 4).contiguous()
+    attn_seen = []
+
+    def fake_run(cmd, env=None, capture_output=True, text=True, timeout=None):
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text(json.dumps({"loaded": True, "mode": "offline", "vllm": "stand-in"}))
+        np.savez(out.with_suffix(".npz"), ix=ix.numpy(), lp=lp.numpy())
+        return types.SimpleNamespace(stdout="Using FLASH_ATTN attention backend", stderr="", returncode=0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(engines, "heldout_ids", lambda prep, ns: {"heldout": toks})
+    monkeypatch.setattr(Q, "load_student", lambda d, dtype=None: tiny(1).to(dtype))
+    def set_attention(m, att):      # each emulation a different forward, so the one read is observable
+        attn_seen.append(att)
+        with torch.no_grad():
+            m.lm_head.weight.mul_({"fa3": 1.0, "triton": 0.5, "none": 3.0}[att])
+    monkeypatch.setattr(KVN, "set_attention", set_attention)
+    monkeypatch.setattr(KVN, "detach", lambda m: attn_seen.append(None))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda d, dtype=None: tiny(2).to(dtype))
+    a = types.SimpleNamespace(vllm_site="stand-in", work=tmp_path, topk=4, vllm_backends=["FLASH_ATTN"],
+                              vllm_bf16_control=False, eval_seqs=2, smoke=True, micro=None)
+    results = [{"kv": "fp8_e4m3", "export_dir": str(tmp_path), "student_dir": "S", "seq": 8, "attention": "fa3"}]
+    out = K.vllm_serve(a, results, {8: {"model_dir": "M"}})
+    cell = out["cells"]["8"]
+    assert "student (fa3 emulation)" in cell["kl"]["FLASH_ATTN"] and "fa3" in attn_seen
+    ids = torch.tensor(toks)
+    with torch.no_grad():
+        t = torch.log_softmax(tiny(2).to(torch.bfloat16)(input_ids=ids).logits.float(), -1)[:, :-1]
+        s = torch.log_softmax(tiny(1).to(torch.bfloat16)(input_ids=ids).logits.float(), -1)[:, :-1]
+    want = K.vs_teacher(t, s, {"FLASH_ATTN": (ix, lp)}, 4, engines.coarse_kl)
+    assert cell["vs_teacher"]["student"] == pytest.approx(want["student"], rel=1e-6)
+    assert cell["vs_teacher"]["served"]["FLASH_ATTN"]["kl"] == pytest.approx(want["served"]["FLASH_ATTN"]["kl"], rel=1e-6)
+    assert cell["vs_teacher"]["student"] > 0 and "Against the teacher" in K.markdown(
+        {"smoke": True, "date": "d", "results": [], "engine_checks": {}, "vllm_serve": out})
