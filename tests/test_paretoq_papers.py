@@ -45,6 +45,20 @@ def test_bit_sweep_smoke(tmp_path, work):
     assert math.isfinite(res["teacher"]["eval/ppl"]) and "| CE | 1.58 | ternary_seq | TQ2_0 / Q4_0 |" in md
 
 
+def test_step_profile_of_an_arm(tmp_path, work):
+    """--step-profile records three training steps of the arm with benchmarks/step_profile.py (on a CPU its
+    CPU ops; on the GPU GPU busy against the wall) into the row; a finished run reused profiles nothing."""
+    args = ["--smoke", "--bits", "4", "--steps", "8", "--step-profile", "--no-teacher", "--rows-only", "--export", "off",
+            "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    assert B.main(args) == 0
+    row = json.loads((tmp_path / "o" / "paretoq_bits.json").read_text())["arms"][0]
+    assert row["step_profile"]["steps"] == 3 and row["step_profile"]["cpu_ops_per_step"] > 100
+    assert row["step_profile"]["gpu_busy_ms_per_step"] is None           # a CPU has no GPU activity to record
+    assert B.main(args) == 0
+    again = json.loads((tmp_path / "o" / "paretoq_bits.json").read_text())["arms"][0]
+    assert again["step_profile"] is None and again["qat"] == row["qat"]
+
+
 def test_transition_rebuilds_the_trainers_ptq_start_exactly(tmp_path, work):
     """One step at lr 1e-12 leaves every weight and scale where it was: the diagnostics must then say
     0 bins changed, i.e. their rebuilt PTQ start is the trainer's own, code for code."""

@@ -54,7 +54,8 @@
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     bash benchmarks/gpu/engines.sh preflight && CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight
 #   2 carry [.gpu/smollm2.gguf.part-aa, .vllm/vllm.zip.part-ad]    bash benchmarks/gpu/engines.sh stash    (seconds)
-#   3 carry [.gpu/smollm2.gguf.part-ab]    PACK=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158     (~470 s)
+#   3 carry [.gpu/smollm2.gguf.part-ab]    PACK=1 PARETOQ_PROFILE=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158   (~470 s;
+#     the profile of three steps per arm says whether a 135 ms SmolLM2 step is GPU- or host-bound: rows' step_profile)
 #   4 carry [.vllm/vllm.zip.part-aa]       bash benchmarks/gpu/engines.sh stash; PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1   (~470 s)
 #   5 carry [.vllm/vllm.zip.part-ab]       bash benchmarks/gpu/engines.sh stash; PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1   (~240 s)
 #   6 carry [.vllm/vllm.zip.part-ac]       NO_SGLANG_WARM=1 T_KV=510 bash benchmarks/gpu/engines.sh kv      (~450 s)
@@ -139,7 +140,8 @@ args_for() {
             [ $p = probe ] && echo "120|$PY benchmarks/papers/paretoq_bits.py --out $d --bits 4 --no-pilot --device cuda" \
                            || echo "${T_PARETOQ:-330}|$PY benchmarks/papers/paretoq_bits.py --out $d --device cuda" ;;
         paretoq_pilot|paretoq4|paretoq3|paretoq3lo|paretoq2|paretoq158|paretoq1)   # issue 19, C1: one bit width per job
-            local a="--out $d --device cuda --rows-only --loss ${PARETOQ_LOSS:-ce}" pr=""
+            # PARETOQ_PROFILE=1: three steps of each arm profiled (GPU busy vs wall: GPU- or host-bound?)
+            local a="--out $d --device cuda --rows-only --loss ${PARETOQ_LOSS:-ce}${PARETOQ_PROFILE:+ --step-profile}" pr=""
             [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
             case $j in
                 paretoq_pilot) a="$a --pilot-only --no-teacher" ;;

@@ -144,13 +144,28 @@ def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, ca
     run_dir = work / f"{loss}-{bits}bit-{fmt}-s{seed}{tag}"
     t0 = time.time()
     over = arm_overrides(s, data, smoke, recipe, fmt, loss, steps, lr, run_dir, seed, calib, export=s["export"])
-    sm = C.run_arm(over)
+    prof = None
+    if s.get("step_profile"):
+        sys.path.insert(0, str(C.REPO / "benchmarks"))
+        from step_profile import StepProfile      # benchmarks/step_profile.py (issue 17's)
+        prof = StepProfile(skip=max(1, min(20, steps - 4)), steps=3, device=s["device"])
+        with prof:
+            sm = C.run_arm(over)
+    else:
+        sm = C.run_arm(over)
     first, last = C.eval_at(sm, last=False), C.eval_at(sm)
     row = {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": steps, "lr": lr, "calib": calib,
            "ptq": {k: first.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
            "qat": {k: last.get(k) for k in ("eval/ppl", "eval/kl", "eval/ce")},
            "gate_ok": sm.get("verify_ok"), "tokens": sm.get("tokens"), "seconds": time.time() - t0,
            "train_s": sm.get("time_s"), "step_ms": C.step_ms(run_dir), "run_dir": str(run_dir)}
+    if prof is not None:
+        # GPU busy against the wall per step: whether the step is bound by the GPU or by the host issuing it
+        row["step_profile"] = prof.result
+        r = prof.result or {}
+        C.say(f"step profile ({bits}-bit): " + (json.dumps({k: r.get(k) for k in (
+            "gpu_busy_ms_per_step", "window_ms_per_step", "launches_per_step", "kernels_per_step")})
+            if r else "no steps profiled (a finished run reused, or too few steps)"))
     C.with_diagnostics(row, over, sm["student_dir"], save)
     row["seconds"] = time.time() - t0
     return row
@@ -271,6 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "run the parity gate (auto: where llama.cpp's runtime is importable, which the gate needs)")
     ap.add_argument("--steps", type=int, default=None, help="steps of every arm and of the pilot (a probe; "
                     "default: the design's 500 / 1,500 / 300)")
+    ap.add_argument("--step-profile", action="store_true", help="profile three training steps of each arm "
+                    "(benchmarks/step_profile.py): GPU busy ms against the wall per step, launches, top kernels")
     ap.add_argument("--low-setting", action="store_true", help="every arm at the setting below 3 bits (its steps "
                     "and LR): an ablation row for 3 / 4 bits beside the design's 500 steps at 1e-5")
     ap.add_argument("--no-teacher", action="store_true", help="skip the unquantized row (another call has it)")
@@ -289,6 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps:
         s.update(steps_hi=args.steps, steps_lo=args.steps, pilot_steps=args.steps)
     s["export"] = {"on": True, "off": False}.get(args.export, gate_can_run())
+    s["step_profile"] = args.step_profile
     if not s["export"]:
         C.say("no export / parity gate in these runs: " + ("--export off" if args.export == "off" else
               "llama.cpp's runtime (llama-cpp-python) is not importable here, so the gate could not complete"))
