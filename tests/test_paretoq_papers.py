@@ -105,6 +105,14 @@ def test_an_arm_cut_by_its_call_is_saved_early_and_reruns_in_the_same_run_dir(tm
     assert S.main(args + ["--lr", "1e-3"]) == 0
     third = json.loads((tmp_path / "o" / "paretoq_seq_vs_lsq.json").read_text())["arms"][0]
     assert (run_dir / "summary.json").is_file() and third["diagnostics"] == "done"
+    # a folder of someone else's at the run directory is not taken for a cut run: refused, untouched
+    import shutil
+    shutil.rmtree(run_dir)
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not a qatfactory run directory"):
+        S.main(args + ["--lr", "1e-3"])
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]
 
 
 def test_seq_vs_lsq_smoke(tmp_path, work):

@@ -108,7 +108,9 @@ def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
         if done is not None:
             say(f"{d.name}: finished earlier with the same overrides; its summary reused, not trained again")
             return done
-        if (d / "metrics.jsonl").is_file() and not (d / "summary.json").is_file():
+        if d.is_dir() and any(d.iterdir()) and not (d / "summary.json").is_file():
+            # cut anywhere before its summary (loading, training, saving): the trainer continues or starts it
+            # over, and refuses a folder that is not a run of ours
             say(f"{d.name}: cut before its end earlier; resume=auto")
             cfg = compose(list(overrides) + ["resume=auto"])
     s = run(cfg)
