@@ -1,7 +1,7 @@
 """A device call's results into benchmarks/results/, as they are committed: one folder per call.
 
     python benchmarks/gpu/unpack_results.py --dest benchmarks/results/h100_20261206_s35 \\
-        call_a=/work/.device/4/methods.tgz call_b=/work/.device/5/methods.tgz call_c=/work/.device/7
+        call_a=FILES_AT_A/methods.tgz call_b=FILES_AT_B/methods.tgz call_c=FILES_AT_C
 
 Each NAME=SRC is a methods.tgz (or kv.tgz, any .tgz a call packed) or a call's files_at folder. What it does:
 * extracts into DEST/NAME (a new folder: an existing one is refused, nothing is overwritten), refusing tar
@@ -9,9 +9,10 @@ Each NAME=SRC is a methods.tgz (or kv.tgz, any .tgz a call packed) or a call's f
 * leaves out `methods-<job>.tail` (methods.sh's copy of each job's log for the console);
 * keeps progress bars short: tqdm redraws a bar with carriage returns, so a log holds every redraw; each bar
   keeps every --every-th redraw and its last one;
-* replaces the device's paths by names (/tmp/qf-<x>/<job>/work/ -> $WORK/<job>/$JOB_WORK_DIR/, /tmp/qf-<x> ->
-  $WORK, /tmp/site -> $SITE, /root/out -> $OUT, the device's repository root -> $REPO), and stops if any
-  --forbid string (default /work/) is left in a text file;
+* replaces the device's paths by names (a job's work folder under /tmp/qf-<x>/<job> -> $WORK/<job>/$JOB_WORK_DIR,
+  /tmp/qf-<x> -> $WORK, /tmp/site -> $SITE, /root/out -> $OUT, the device's repository root, the same path as
+  this checkout's, -> $REPO), and fails if any --forbid string (default: the folder above this checkout) is
+  left in a text file;
 * prints each job folder (a folder with a *.json of rows) for the `--merge` of the papers' scripts.
 """
 from __future__ import annotations
@@ -25,12 +26,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, List, Sequence, Tuple
 
+REPO = Path(__file__).resolve().parents[2]
+WORK_SUB = "work"           # a job's runs and data: the papers' scripts' default --work, <out>/work
 TEXT = {".json", ".md", ".log", ".txt", ".jsonl", ".csv", ".yaml"}
 BAR = re.compile(r"^[^\n]{0,80}?:?\s*\d+%\|")          # a tqdm line: 'train:  45%|####  | 540/1200 ...'
 
 
 def sanitize(text: str, repo_root: str) -> str:
-    text = re.sub(r"/tmp/qf-[A-Za-z0-9_.-]+/([A-Za-z0-9_.-]+)/work/", r"$WORK/\1/$JOB_WORK_DIR/", text)
+    text = re.sub(r"/tmp/qf-[A-Za-z0-9_.-]+/([A-Za-z0-9_.-]+)/" + WORK_SUB + "/", r"$WORK/\1/$JOB_WORK_DIR/", text)
     text = re.sub(r"/tmp/qf-[A-Za-z0-9_.-]+", "$WORK", text)
     text = text.replace("/tmp/site", "$SITE").replace("/root/out", "$OUT")
     if repo_root:
@@ -111,11 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("calls", nargs="+", metavar="NAME=SRC", help="a folder name and a .tgz or a files_at folder")
     ap.add_argument("--dest", required=True, type=Path)
-    ap.add_argument("--repo-root", default="/work/main", help="the repository's path on the device machine")
+    ap.add_argument("--repo-root", default=str(REPO), help="the repository's path on the device machine (the "
+                    "device runs a copy of this checkout at the same path)")
     ap.add_argument("--every", type=int, default=150, help="keep every N-th redraw of a progress bar (and its last)")
-    ap.add_argument("--forbid", action="append", default=None, help="a string no text file may keep (default /work/)")
+    ap.add_argument("--forbid", action="append", default=None,
+                    help="a string no text file may keep (default: the folder above this checkout, with its slash)")
     a = ap.parse_args(argv)
-    forbid = a.forbid or ["/work/"]
+    forbid = a.forbid or [str(REPO.parent).rstrip("/") + "/"]
     pairs = []
     for c in a.calls:
         name, sep, src = c.partition("=")
