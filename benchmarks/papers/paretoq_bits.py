@@ -171,13 +171,6 @@ def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, ca
     return row
 
 
-def save_row(path: Path, res: Dict[str, Any], row: Dict[str, Any]) -> None:
-    """The row into res["arms"] (once: the same dict is saved again when it grows) and res onto path."""
-    if not any(r is row for r in res["arms"]):
-        res["arms"].append(row)
-    C.write_json(path, res)
-
-
 def missing(res: Dict[str, Any]) -> Dict[str, List[str]]:
     """Per loss of the result: the bit widths of ARMS with no arm in it."""
     losses = sorted({r["loss"] for r in res["arms"]}) or ["ce"]
@@ -337,7 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             hi = float(bits) >= 3 and not args.low_setting
             C.say(f"{loss} {bits}-bit ({fmt}){' at the setting below 3 bits' if args.low_setting and not hi else ''}")
             run_arm(s, data, args.smoke, work, bits, recipe, fmt, loss, s["steps_hi"] if hi else s["steps_lo"],
-                    s["lr_hi"] if hi else lr_lo, save=lambda row: save_row(args.out / "paretoq_bits.json", res, row),
+                    s["lr_hi"] if hi else lr_lo, save=lambda row: C.save_row(args.out / "paretoq_bits.json", res, row),
                     tag="-low" if args.low_setting and float(bits) >= 3 else "")
     C.write_json(args.out / "paretoq_bits.json", res)
     if args.rows_only or args.pilot_only:

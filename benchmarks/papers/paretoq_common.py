@@ -237,6 +237,13 @@ def merged_note(res: Dict[str, Any]) -> List[str]:
     return ["", "Merged from: " + "; ".join(parts)]
 
 
+def save_row(path: Path, res: Dict[str, Any], row: Dict[str, Any]) -> None:
+    """The row into res["arms"] (once: the same dict is saved again when it grows) and res onto path."""
+    if not any(r is row for r in res["arms"]):
+        res["arms"].append(row)
+    write_json(path, res)
+
+
 def cut_note(arms: Sequence[Dict[str, Any]]) -> List[str]:
     """The report line for rows whose job was cut while its diagnostics ran (C.with_diagnostics)."""
     if not any(r.get("diagnostics") == "not finished" for r in arms):

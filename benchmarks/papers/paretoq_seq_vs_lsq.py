@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             # the format recipe sets the learnable strategy; the weight format and the init are the arm's.
             # Export off: this script compares training; paretoq_bits.py exports every grid
             _arm(s, data, args.smoke, work, recipe, fmt, args.loss, s["steps_lo"], lr, seed, calib, label,
-                 save=lambda row: B.save_row(args.out / "paretoq_seq_vs_lsq.json", res, row))
+                 save=lambda row: C.save_row(args.out / "paretoq_seq_vs_lsq.json", res, row))
     C.write_json(args.out / "paretoq_seq_vs_lsq.json", res)
     if args.rows_only:
         C.say(f"rows written: {args.out / 'paretoq_seq_vs_lsq.json'}")
