@@ -264,7 +264,10 @@ def _vllm_ops_in_child(a, out: Dict[str, Any]) -> Dict[str, Any]:
 def served_scales_vs_export(served: Dict[str, Dict[str, Any]], export_dir) -> Dict[str, Any]:
     """The k/v scales vLLM's attention layers hold after loading (engines._attention_scales, per module name)
     against the export's ``*.self_attn.{k,v}_proj.{k,v}_scale`` tensors, layer by layer (the layer index read
-    from both names). Exact float equality is the claim: vLLM takes the checkpoint's float32 value as is."""
+    from both names). Exact float equality is the claim. vLLM 0.24 holds the scales in the model's dtype
+    (KVCacheScaleParameter), so a float32 scale that is no bf16 value comes back moved (H100, 2026-12-06: up to
+    0.32%); qatfactory's scales are bf16 values since. A run with an unquantized cache never loads them (vLLM
+    keeps 1.0): ``scales_used`` is then False and the comparison says nothing."""
     import re
 
     from safetensors import safe_open
@@ -290,10 +293,12 @@ def served_scales_vs_export(served: Dict[str, Dict[str, Any]], export_dir) -> Di
                 worst = max(worst, abs(gv - wv) / abs(wv))
             if not ok:
                 rows.append({"layer": i, "scale": kv, "export": wv, "served": gv})
-    return {"layers_in_export": len(want), "layers_served": len(got), "all_equal": bool(want) and not rows,
-            "mismatches": rows[:12], "max_rel_diff": worst,
+    dtypes = sorted({str(g.get("kv_cache_dtype")) for g in got.values()})
+    return {"scales_used": any(d.startswith(("fp8", "nvfp4")) for d in dtypes),
+            "layers_in_export": len(want), "layers_served": len(got), "all_equal": bool(want) and not rows,
+            "n_mismatches": len(rows), "mismatches": rows[:12], "max_rel_diff": worst,
             "served_q_scales": sorted({g.get("q") for g in got.values()}),
-            "served_kv_cache_dtypes": sorted({str(g.get("kv_cache_dtype")) for g in got.values()})}
+            "served_kv_cache_dtypes": dtypes}
 
 
 def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
@@ -472,6 +477,15 @@ def markdown(rep: Dict[str, Any]) -> str:
                   f"The student's own forward (kv_attention={cell.get('trained_with')}): {_f(vt['student'])}", "",
                   "| X = vLLM run | KL(teacher \\|\\| X) | minus the student's |", "|---|---|---|"]
             L += [f"| {b} | {_f(v['kl'])} | {_f(v['minus_student'])} |" for b, v in vt["served"].items()]
+        sv = {b: cell["backends"][b].get("scales_vs_export") for b in cell.get("backends", {})}
+        if any(sv.values()):
+            L += ["", f"k/v scales each served attention layer holds vs the export's (seq {seq}):", "",
+                  "| vLLM run | cache dtype | scales used | layers | all equal | mismatches | max rel. diff |",
+                  "|---|---|---|---|---|---|---|"]
+            L += [f"| {b} | {', '.join(v.get('served_kv_cache_dtypes') or [])} | {v.get('scales_used')} | "
+                  f"{v.get('layers_served')} of {v.get('layers_in_export')} | {v.get('all_equal')} | "
+                  f"{v.get('n_mismatches', str(len(v.get('mismatches') or [])) + '+')} | "
+                  f"{_f(v.get('max_rel_diff'))} |" for b, v in sv.items() if v]
         # the same KL by position bucket, one row per (vLLM run, student forward)
         rows = [(b, label, v["kl_by_position"]) for b in bs for label, v in cell["kl"][b].items()
                 if v.get("kl_by_position")]

@@ -108,6 +108,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--n-eval", type=int, default=4)
     ap.add_argument("--n-calib", type=int, default=4)
     ap.add_argument("--eps", default="0,0.001,0.003,0.01,0.03")
+    ap.add_argument("--scale-rules", action="store_true",
+                    help="also: the same forward (eps 0) with the old float32 scales amax / 448 against those scales as "
+                         "vLLM holds them in a bf16 model (rounded to nearest bf16), and against today's (rounded up)")
     ap.add_argument("--threads", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -179,11 +182,52 @@ def main(argv: Optional[List[str]] = None) -> int:
         r["shared_fraction"] = (ind - r["kl_a8_b8"]) / ind if ind > 0 else float("nan")
         rows.append(r)
         say(json.dumps({k: round(v, 6) for k, v in r.items()}))
+    scale_rows = scale_rule_rows(run, base, mask) if a.scale_rules else []
     res = {"model": str(d.name), "seq": a.seq, "n_eval": a.n_eval, "n_calib": a.n_calib, "threads": a.threads,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "seconds": time.time() - t0, "kv_amax_first_layer": next(iter(amax.values())), "rows": rows}
+           "seconds": time.time() - t0, "kv_amax_first_layer": next(iter(amax.values())), "rows": rows,
+           "scale_rows": scale_rows}
     report(a.out, res)
     return 0
+
+
+SCALE_RULES = {
+    "float32 amax/448 (before 2026-12-06)": lambda q: q,
+    "vLLM's bf16 parameter of that (nearest)": lambda q: q.to(torch.bfloat16).float(),
+    "bf16, rounded up (qatfactory now)": None,          # the library's own rule, unpatched
+}
+
+
+def scale_rule_rows(run, base, mask) -> List[Dict[str, Any]]:
+    """eps 0, the fp8 cache with each scale rule of SCALE_RULES (the quantizers ask the format for
+    fmt.scale(amax); the rule is swapped in the format's module for the run): KL to the unquantized forward
+    and to the first rule's forward, and the share of cached E4M3 values that differ from the first rule's."""
+    from qatfactory.formats import kv as KVF
+    from qatfactory.formats import kv_fp8
+
+    keep = kv_fp8.amax_over_448
+
+    def patched(rule):
+        def amax_over_448(name, amax):
+            a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+            q = a / torch.tensor(KVF.FP8_MAX, dtype=torch.float32)
+            return torch.ones_like(q) if float(q) < 2.0 ** -126 else rule(q)
+        return amax_over_448
+
+    outs, rows = {}, []
+    for label, rule in SCALE_RULES.items():
+        kv_fp8.amax_over_448 = keep if rule is None else patched(rule)
+        try:
+            outs[label] = run(0.0, True)
+        finally:
+            kv_fp8.amax_over_448 = keep
+    first = next(iter(outs))
+    for label, (logits, _kv) in outs.items():
+        r = {"rule": label, "kl_to_unquantized": kl(base[0], logits, mask),
+             "kl_to_first_rule": kl(outs[first][0], logits, mask)}
+        rows.append(r)
+        say(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
 
 
 def report(out: Path, res: Dict[str, Any]) -> None:
@@ -202,6 +246,13 @@ def report(out: Path, res: Dict[str, Any]) -> None:
                      f"{r['k_rel_diff_median_last_layer']:.4f} |")
     lines += ["", "shared part = 1 - KL(A8‖B8) / (KL(A‖A8) + KL(B‖B8)): 1 when both sides make the same FP8 "
               "error, about 0 when the errors are independent (a rough reading: KL is not a squared distance)."]
+    if res.get("scale_rows"):
+        first = res["scale_rows"][0]["rule"]
+        lines += ["", "The same forward (eps 0) with the fp8 cache under three rules for the per-layer scale, from the same "
+                  "calibrated amax:", "",
+                  f"| scale rule | KL(A‖A8) | KL(A8 with {first} ‖ this) |", "|---|---|---|"]
+        lines += [f"| {r['rule']} | {r['kl_to_unquantized']:.5f} | {r['kl_to_first_rule']:.5f} |"
+                  for r in res["scale_rows"]]
     tmp = out / "kv_decorrelation.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out / "kv_decorrelation.md")
@@ -212,6 +263,8 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     except ImportError:
         return
     rr = [r for r in res["rows"] if r["eps"] > 0]
+    if not rr:
+        return                                        # nothing to draw (eps 0 only)
     fig, ax = plt.subplots(figsize=(6.4, 4))
     x = [r["eps"] for r in rr]
     ax.loglog(x, [r["kl_a_b"] for r in rr], "o-", label="KL(A‖B): no FP8 (the floor)")

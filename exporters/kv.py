@@ -17,7 +17,8 @@ Containers (the student's scales are ``ConvertedModel.kv_cache["layers"][attn]["
     GGUF            nothing in the file (llama.cpp reads the cache type from its command line, no GGUF key
                     exists); qatfactory.json records it with the flags to serve it.
 
-The value written is the scale the student's attention divided by (amax / 448), bit for bit.
+The value written is the scale the student's attention divided by (amax / 448 rounded up to a bf16 value, which
+vLLM's bf16 parameter keeps unchanged; the gate checks that), bit for bit.
 
 Attention (``ConvertedModel.kv_cache["attention"]``): a student trained with vLLM's FP8 attention
 arithmetic (formats/kv_attention.py: ``fa3`` = FLASH_ATTN, ``triton`` = TRITON_ATTN) is served with that

@@ -136,9 +136,10 @@ def test_served_attention_scales_are_compared_with_the_exports_layer_by_layer(tm
                                                  "kv_cache_dtype": "fp8_e4m3"}
     ok = K.served_scales_vs_export(served, tmp_path)
     assert ok["all_equal"] and ok["layers_in_export"] == ok["layers_served"] == 2 and ok["max_rel_diff"] == 0.0
-    assert ok["served_q_scales"] == [1.0] and ok["served_kv_cache_dtypes"] == ["fp8_e4m3"]
+    assert ok["served_q_scales"] == [1.0] and ok["served_kv_cache_dtypes"] == ["fp8_e4m3"] and ok["scales_used"]
     bad = K.served_scales_vs_export(engines._attention_scales(tree([f32[0], (1.0, 1.0)])), tmp_path)
     assert not bad["all_equal"] and {(r["layer"], r["scale"]) for r in bad["mismatches"]} == {(1, "k"), (1, "v")}
+    assert bad["n_mismatches"] == 2
     assert bad["max_rel_diff"] == pytest.approx(1 / f32[1][1] - 1, rel=1e-6)
     short = K.served_scales_vs_export(engines._attention_scales(tree(f32[:1])), tmp_path)
     assert not short["all_equal"] and short["layers_served"] == 1

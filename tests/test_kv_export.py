@@ -147,6 +147,35 @@ def test_a_tampered_scale_or_config_key_fails_the_gate(tmp_path):
         assert res.verdict == "FAIL" and {c.tensor for c in res.failures} & {"kv cache", "qatfactory.json"}, res.table()
 
 
+@pytest.mark.parametrize("flavour", ["modelopt", "compressed-tensors"])
+def test_a_scale_vllm_would_hold_as_another_value_fails_the_gate(tmp_path, flavour):
+    """vLLM keeps k_scale / v_scale in the model's dtype (measured on an H100, 2026-12-06: a float32 scale came
+    back moved by up to 0.32% from a bf16 model). A student whose scale is no bf16 value -- plain amax / 448, as
+    qatfactory wrote before -- exports a file equal to the student that vLLM still runs with another scale."""
+    cm = convert(_student("qwen3", "nvfp4_w4a16", "fp8_e4m3"))
+    out = tmp_path / "ok"
+    export(cm, out, engine="vllm", flavour=flavour)
+    res = verify(out, cm, logits=False)
+    assert not res.failures and ("kv cache", "k/v scales survive vLLM's bfloat16 parameter") in rows(res, "ok")
+    layer = sorted(cm.kv_cache["layers"])[0]
+    old = torch.tensor(float(cm.kv_cache["layers"][layer]["k_amax"]), dtype=torch.float32) / 448.0
+    assert float(old.to(torch.bfloat16)) != float(old), "pick a calibration whose amax / 448 is no bf16 value"
+    cm.kv_cache["layers"][layer]["k_scale"] = old        # the student as an older version calibrated it
+    out = tmp_path / "old"
+    export(cm, out, engine="vllm", flavour=flavour)
+    res = verify(out, cm, logits=False)
+    assert ("kv cache", "k/v scales == student") in rows(res, "ok")          # the file is the student ...
+    assert ("kv cache", "k/v scales survive vLLM's bfloat16 parameter") in rows(res, "FAIL")   # ... vLLM is not
+    assert res.verdict == "FAIL"
+    # a float16 model: vLLM holds the scale in float16; a bf16 value in its normal range passes, the old one not
+    for d in ("old", "ok"):
+        edit_json(tmp_path / d / "config.json", lambda o: o.update(torch_dtype="float16"))
+    assert ("kv cache", "k/v scales survive vLLM's float16 parameter") in rows(verify(out, cm, logits=False), "FAIL")
+    cm0 = convert(_student("qwen3", "nvfp4_w4a16", "fp8_e4m3"))
+    assert ("kv cache", "k/v scales survive vLLM's float16 parameter") in rows(verify(tmp_path / "ok", cm0,
+                                                                                       logits=False), "ok")
+
+
 def test_a_q_scale_in_the_checkpoint_fails_the_gate(tmp_path):
     """vLLM would load <attn>.q_scale (weight_utils maybe_remap_kv_scale_name: .q_scale -> .attn.q_scale) and cast
     the query with it; the student's FP8 attention used q_scale 1.0."""

@@ -55,6 +55,44 @@ def expected_scale_tensors(student: ConvertedModel, flavour: str) -> Dict[str, T
     return out
 
 
+_SERVED = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "float": torch.float32}
+
+
+def served_scale_dtype(cfg: Optional[Dict[str, Any]]) -> torch.dtype:
+    """The dtype vLLM holds k_scale / v_scale in: its KVCacheScaleParameter is made while torch's default
+    dtype is the model's (quantization/kv_cache.py of 0.24, a transcription), i.e. config.json's
+    torch_dtype (transformers 5: dtype); vLLM serves a float32 or unnamed one in bfloat16."""
+    name = str((cfg or {}).get("torch_dtype") or (cfg or {}).get("dtype") or "bfloat16").replace("torch.", "")
+    dt = _SERVED.get(name, torch.bfloat16)
+    return torch.bfloat16 if dt == torch.float32 else dt
+
+
+def check_scales_survive_serving(res: VerifyResult, sd: Dict[str, torch.Tensor], student: ConvertedModel,
+                                 flavour: str, cfg: Optional[Dict[str, Any]]) -> None:
+    """Each k/v scale in the file must come back unchanged from a cast to the dtype vLLM holds it in (SGLang
+    holds float32), or the engine divides by another scale than the student (torch's own cast decides)."""
+    want = expected_scale_tensors(student, flavour)
+    if not want:
+        return
+    dt = served_scale_dtype(cfg)
+    bad = []
+    for n in sorted(want):
+        t = sd.get(n)
+        if t is None or t.dtype != torch.float32:
+            continue                                  # reported by check_scale_tensors
+        v = float(t.reshape(-1)[0])
+        held = float(t.reshape(-1)[0].to(dt))
+        if held != v:
+            bad.append(f"{n}={v:.9g} is held as {held:.9g}")
+    res.ok_or_fail("kv cache", f"k/v scales survive vLLM's {str(dt).replace('torch.', '')} parameter", not bad,
+                   "; ".join(bad[:3]) + (f" (+{len(bad) - 3})" if len(bad) > 3 else "") +
+                   ": vLLM keeps k_scale / v_scale in the model's dtype, so its cache divides by another scale than "
+                   "the student's; recalibrate the KV scales (qatfactory now rounds them up to a bf16 value)"
+                   if bad else f"{len(want)} scales unchanged by torch's cast to {str(dt).replace('torch.', '')}",
+                   source="torch cast; vLLM 0.24 quantization/kv_cache.py KVCacheScaleParameter (a transcription)")
+
+
 def check_scale_tensors(res: VerifyResult, sd: Dict[str, torch.Tensor], student: ConvertedModel, flavour: str) -> None:
     att = (getattr(student, "kv_cache", None) or {}).get("attention") or "none"
     if att != "none":

@@ -287,6 +287,7 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
             decoded[name] = got
     _fused_scales(res, sd, student, flavour)
     KVG.check_scale_tensors(res, sd, student, flavour)
+    KVG.check_scales_survive_serving(res, sd, student, flavour, cfg)
     _source_files(res, d, student)
     if flavour == "compressed-tensors":
         _ct_skeleton(res, d, student)

@@ -88,18 +88,39 @@ FP8_MAX = 448.0
 _SCALE_MIN_NORMAL = 2.0 ** -126
 
 
+def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value >= s, as float32 (s finite and > 0, so its sign bit is clear): the
+    float32 bits with anything in their low half carried into the upper half, which is kept."""
+    b = int(s.to(torch.float32).reshape(()).view(torch.int32))
+    return torch.tensor((b + 0xFFFF) & ~0xFFFF, dtype=torch.int32).view(torch.float32)
+
+
 def amax_over_448(name: str, amax) -> torch.Tensor:
-    """fp32(amax) / 448 as one IEEE float32 division: the k_scale / v_scale ModelOpt's exporter
+    """fp32(amax) / 448 as one IEEE float32 division -- the k_scale / v_scale ModelOpt's exporter
     writes (``unified_export_hf``: "kv cache scale as amax / 448 for both FP8 and NVFP4") and that
-    compressed-tensors' FP8 observer computes (max / FP8 max). Guard (ours): a zero or subnormal
-    result (amax below ~5e-36, an all-zero K) becomes 1.0, the scale vLLM assumes when a checkpoint
-    has none; such a tensor encodes to zeros either way. NaN/Inf/negative amax is refused."""
+    compressed-tensors' FP8 observer computes (max / FP8 max) -- then rounded UP to a bfloat16 value.
+
+    Why the rounding: vLLM 0.24 holds k_scale / v_scale in ``KVCacheScaleParameter``
+    (``quantization/kv_cache.py``: ``torch.tensor(-1.0)``, created while the model's dtype is torch's
+    default, filled by ``param.data.copy_(loaded)``), so a bf16 model divides by bf16(s), not by the
+    float32 s of the file. Read back from a served model (H100, 2026-12-06): every exported scale that
+    was not already a bf16 value came back moved by up to 0.32%. SGLang 0.5.17 keeps the scales in
+    float32. A bf16 value passes unchanged through a cast to bf16, to fp16 (within its normal range,
+    s >= 2**-14; the gate checks the export's dtype) and to fp32, so one scale is exact in every
+    engine. Rounding up, not to nearest, keeps the calibrated amax within 448 * s (no saturation of
+    what calibration saw).
+
+    Guard (ours): a zero or subnormal quotient (amax below ~5e-36, an all-zero K) becomes 1.0, the
+    scale vLLM assumes when a checkpoint has none; such a tensor encodes to zeros either way.
+    NaN/Inf/negative amax is refused."""
     a = torch.as_tensor(amax, dtype=torch.float32).detach()
     if a.numel() != 1 or not bool(torch.isfinite(a).all()) or float(a.reshape(-1)[0]) < 0:
         raise ValueError(f"{name}: amax must be one finite float >= 0, got {amax!r}")
     a = a.reshape(()).cpu()
     s = a / torch.tensor(FP8_MAX, dtype=torch.float32)
-    return torch.where(s < _SCALE_MIN_NORMAL, torch.ones_like(s), s)
+    if float(s) < _SCALE_MIN_NORMAL:
+        return torch.ones_like(s)
+    return bf16_ceil(s)
 
 
 class KVCacheFormat:

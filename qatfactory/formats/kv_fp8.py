@@ -8,9 +8,12 @@ Layout (per token and head, head_dim elements; the scale is one fp32 per layer a
 The scale: ``s = fp32(amax) / 448`` -- what ModelOpt's HF exporter writes as
 ``<attn>.k_proj.k_scale`` / ``v_proj.v_scale`` (``modelopt/torch/export/unified_export_hf.py``:
 amax / kv_cache_max_bound, 448 for FP8 and NVFP4 alike) and what compressed-tensors' FP8 observer
-stores as ``<attn>.k_scale``; vLLM loads it as is (``quantization/kv_cache.py``
-``BaseKVCacheMethod.process_weights_after_loading``: both scales > 0 are used as they are, x2 on
-fnuz ROCm platforms, 1.0 when the checkpoint has none).
+stores as ``<attn>.k_scale`` -- rounded up to a bfloat16 value (kv.amax_over_448). vLLM loads the
+scale into a parameter of the model's dtype (``quantization/kv_cache.py`` ``KVCacheScaleParameter``),
+then ``BaseKVCacheMethod.process_weights_after_loading`` uses both scales > 0 as they are (x2 on fnuz
+ROCm platforms, 1.0 when the checkpoint has none): a bf16 value is the one scale a bf16 model keeps
+unchanged (a float32 amax / 448 came back moved by up to 0.32% from a served SmolLM2, H100, 2026-12-06).
+SGLang keeps the scales in float32.
 
 ``fp8_e4m3`` -- vLLM (read: 0.24 Python sources, ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
 ``scaled_vec_conversion``, called by ``cache_kernels.cu`` ``reshape_and_cache_flash`` through
@@ -137,7 +140,8 @@ _COMMON = dict(element="e4m3", block=0, static_scale=True, head_order="hf", bits
 FP8_SPEC = KVCacheSpec(
     name="fp8_e4m3",
     engine="vLLM 0.24 reshape_and_cache_flash (csrc/quantization/fp8/nvidia/quant_utils.cuh scaled_vec_conversion)",
-    scale_rule="s = fp32(amax)/448 per layer for K and for V (k_scale / v_scale); cache = E4M3(x/s); read = e4m3*s",
+    scale_rule="s = fp32(amax)/448 rounded up to a bf16 value (vLLM holds it in the model's dtype), per layer for K "
+               "and for V (k_scale / v_scale); cache = E4M3(x/s); read = e4m3*s",
     rounding="fp32 x/s (IEEE division), RNE to E4M3, saturating to +-448 (__NV_SATFINITE)",
     oracle="torch float8_e4m3fn cast and ml_dtypes float8_e4m3fn (after a clip to +-448) of fp32 x/s",
     vllm_cache_dtype="fp8", modelopt_algo="FP8", ct_num_bits=8,
@@ -148,7 +152,8 @@ FP8_SPEC = KVCacheSpec(
 FP8_SGLANG_SPEC = KVCacheSpec(
     name="fp8_e4m3_sglang",
     engine="SGLang memory_pool.py MHATokenToKVPool.set_kv_buffer (cache_k.div_(k_scale); .to(float8_e4m3fn))",
-    scale_rule="s = fp32(amax)/448 per layer for K and for V (k_scale / v_scale); cache = E4M3(dtype(x*fl(1/s)))",
+    scale_rule="s = fp32(amax)/448 rounded up to a bf16 value (as for vLLM; SGLang keeps it in float32), per layer "
+               "for K and for V (k_scale / v_scale); cache = E4M3(dtype(x*fl(1/s)))",
     rounding="x * fl(1/s) rounded to the model dtype (in-place div_ on a CUDA tensor), then RNE to E4M3, "
              "non-saturating: |y| > 464 -> NaN (torch's CUDA cast)",
     oracle="ml_dtypes bfloat16 and float8_e4m3fn casts (non-saturating, as torch's CUDA cast); a transcription "

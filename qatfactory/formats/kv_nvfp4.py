@@ -8,7 +8,8 @@ head_dim/2 + head_dim/16 bytes, data then scales)::
     sf    [head_dim/16]  E4M3 bits of each block's scale
     read back = fl(e2m1(code) * fp32(sf)) * s                      s = k_scale / v_scale
 
-The per-layer scale ``s = fp32(amax) / 448``: ModelOpt's HF exporter writes ``k_proj.k_scale`` /
+The per-layer scale ``s = fp32(amax) / 448`` rounded up to a bf16 value (kv.amax_over_448: vLLM holds it in
+the model's dtype): ModelOpt's HF exporter writes ``k_proj.k_scale`` /
 ``v_proj.v_scale`` = amax / 448 "for both FP8 and NVFP4 KV cache" (``unified_export_hf.py``) with
 ``kv_cache_quant_algo: NVFP4``, and vLLM 0.24 uses the loaded scales as the decode factors of its
 NVFP4 attention (``v1/attention/backends/flashinfer.py``: ``bmm1_scale *= q_scale * k_scale``,
@@ -109,7 +110,7 @@ NVFP4_KV_SPEC = KVCacheSpec(
     engine="vLLM 0.24 NVFP4 KV cache (Blackwell): scales as ModelOpt 0.47 exports them; write rule = vLLM's "
            "cvt_warp_fp16_to_fp4 with input_scale = k_scale (a transcription, see kv_nvfp4.py)",
     element="e2m1", block=BLOCK, static_scale=True, head_order="hf", bits_per_element=4.5,
-    scale_rule="s = fp32(amax)/448 per layer for K and V; block sf = E4M3(fl(1/s) * vmax * RN(1/6)); "
+    scale_rule="s = fp32(amax)/448 rounded up to a bf16 value, per layer for K and V; block sf = E4M3(fl(1/s) * vmax * RN(1/6)); "
                "read = e2m1 * sf * s",
     rounding="E2M1 RNE satfinite of x * 1/(sf * s); E4M3 RN satfinite block scales, no lower clamp",
     oracle="ml_dtypes float4_e2m1fn and float8_e4m3fn casts composed in vLLM's float32 order (the composition "

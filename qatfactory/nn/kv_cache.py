@@ -20,7 +20,7 @@ Scales (formats with a per-layer scale: fp8, nvfp4), per attention layer, K and 
              calibration batches; mse: the amax among 2^(-i/8) * max, i = 0..16, with the least
              squared error of the fake-quantized K over the calibration K rows, thinned to every
              other row beyond 16384, the max row kept); the scale the engine
-             loads is ``fmt.scale(amax)`` (amax / 448), exported as k_scale / v_scale
+             loads is ``fmt.scale(amax)`` (amax / 448 rounded up to a bf16 value), exported as k_scale / v_scale
     dynamic  amax of the tensor in each forward (what vLLM's ``calculate_kv_scales`` does once);
              the buffers keep the running max. The engine has one static scale per layer, so
              :func:`freeze_kv_scales` (ship the running max) or calibrate must come before convert.

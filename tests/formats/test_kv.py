@@ -94,16 +94,49 @@ def test_bad_input_is_refused_with_a_reason(name):
             f.encode(torch.ones(1, 64), torch.tensor(1.0))
 
 
-def test_scale_is_amax_over_448_in_float32():
-    for amax in (1.0, 3.0, 17.3125, 1234.5, 1e-3):
+def _bf16_up_oracle(v: np.float32) -> np.float32:
+    """The smallest bfloat16 >= v by ml_dtypes: its nearest bf16, stepped up once if that lies below v."""
+    b = np.float32(v).astype(ml_dtypes.bfloat16)
+    if b.astype(np.float32) < v:
+        b = np.nextafter(b, ml_dtypes.bfloat16(np.inf))
+    return b.astype(np.float32)
+
+
+def test_scale_is_amax_over_448_in_float32_rounded_up_to_bf16():
+    for amax in (1.0, 3.0, 17.3125, 1234.5, 1e-3, 0.6054687, 16.875, 16.8759, 3e-30):
         a = np.float32(amax)
-        want = (a / np.float32(448.0)).astype(np.float32)
+        q = (a / np.float32(448.0)).astype(np.float32)
+        want = _bf16_up_oracle(q)
         got = amax_over_448("t", torch.tensor(amax))
         assert got.dtype == torch.float32 and got.shape == () and got.numpy().view(np.uint32) == want.view(np.uint32)
+        assert float(got) >= float(q) and a / got.numpy() <= np.float32(448.0)   # the calibrated amax never saturates
     assert float(amax_over_448("t", 0.0)) == 1.0                 # vLLM's default scale, not a zero divisor
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="finite float >= 0"):
             amax_over_448("t", bad)
+
+
+def test_the_scale_survives_how_vllm_and_sglang_hold_it():
+    """vLLM 0.24 (quantization/kv_cache.py, a transcription): KVCacheScaleParameter is torch.tensor(-1.0)
+    made while torch's default dtype is the model's, then param.data.copy_(loaded float32 scale); SGLang
+    0.5.17 makes it float32. The scale must come back unchanged in every case (measured on an H100,
+    2026-12-06: the plain amax / 448 came back moved by up to 0.32% from a bf16 model)."""
+    rng = np.random.default_rng(0)
+    moved_before = 0
+    for amax in np.exp(rng.uniform(np.log(0.03), np.log(3000.0), 500)).astype(np.float32):
+        s = amax_over_448("t", torch.tensor(amax))
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(dt)
+            try:
+                held = torch.tensor(-1.0)
+            finally:
+                torch.set_default_dtype(old)
+            held.copy_(s)
+            assert held.dtype == dt and held.tolist() == float(s), (amax, dt)
+        q = np.float32(amax) / np.float32(448.0)
+        moved_before += float(torch.tensor(q).to(torch.bfloat16)) != float(q)
+    assert moved_before > 400          # the old scale (amax / 448 alone) did not survive in most cases
 
 
 def _fp8_edge_inputs(s: float) -> torch.Tensor:
