@@ -47,23 +47,26 @@
 # a job run again in the same $WORK reuses an arm that finished with the same overrides (paretoq_common.run_arm)
 # and restarts one cut in training (resume=auto), so a cut job can be finished by the next call of a warm
 # machine. The split's byte model alone: 47-69 ms a step, ~90-100 s an arm (1,200 steps + evaluations).
-# What is left of issue 19 (session 35 ran 4, 3, 1 bits and the split's f = 0.05 at seed 0) and issue 22's
-# served-scale readback, as two leases of sequential calls, each well under 600 s. vLLM's parts ride on the
-# calls that carry little (engines.sh's staging; `stage.sh plan` for the sizes: every call below <= 62 MiB).
-# Lease 1 (~1,750 device s with a machine start):
+# What is left of issue 19 (sessions 35-36 ran 4, 3, 2, 1 bits and the split's f = 0.05 at seed 0) and issue 22's
+# re-run with the bf16-exact k/v scales, as leases of sequential calls, each well under 600 s. vLLM's parts ride
+# alone on quick `stash` calls (session 36: four 0.4 s calls, ~4 device s each with the transfer), then `kv`.
+# Session 36's profile (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
+# launches a step): ~40% host-bound.
+# Lease A (~1,350 device s with a machine start; issue 22 first, it decides that issue):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     bash benchmarks/gpu/engines.sh preflight && CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight
 #   2 carry [.gpu/smollm2.gguf.part-aa, .vllm/vllm.zip.part-ad]    bash benchmarks/gpu/engines.sh stash    (seconds)
-#   3 carry [.gpu/smollm2.gguf.part-ab]    PACK=1 PARETOQ_PROFILE=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158   (~470 s;
-#     the profile of three steps per arm says whether a 135 ms SmolLM2 step is GPU- or host-bound: rows' step_profile)
-#   4 carry [.vllm/vllm.zip.part-aa]       bash benchmarks/gpu/engines.sh stash; PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1   (~470 s)
-#   5 carry [.vllm/vllm.zip.part-ab]       bash benchmarks/gpu/engines.sh stash; PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1   (~240 s)
-#   6 carry [.vllm/vllm.zip.part-ac]       NO_SGLANG_WARM=1 T_KV=510 bash benchmarks/gpu/engines.sh kv      (~450 s)
-# Lease 2 (~1,000 device s): calls 1-3 of lease 1 without vLLM's parts (methods.sh preflight / stash), call 3 being
+#   3-5 carry [.vllm/vllm.zip.part-aa], then -ab, then -ac          bash benchmarks/gpu/engines.sh stash    (seconds each)
+#   6 carry [.gpu/smollm2.gguf.part-ab]    NO_SGLANG_WARM=1 T_KV=510 bash benchmarks/gpu/engines.sh kv      (474 s on
+#     2026-12-06; read the scales table (all equal now?) and KL(student || vLLM) against 0.018-0.023 before the fix)
+#   7 PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                           (~270 s with FusedAdam's JIT build)
+#   8 PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1   (~470 s)
+# Lease B (~1,000 device s): calls 1-2 without vLLM's parts (methods.sh preflight / stash), then
+#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1 paretoq3lo                 (~470 s)
 #   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s1 paretoq_split2s1   (~550 s)
-#   PACK=1 PARETOQ_FRACTIONS=0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s0 paretoq_split2s0          (~400 s)
-#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq3lo        (an ablation, ~230 s: 3 bits at 1,500 steps and 1e-4,
-#        since 500 steps at 1e-5 left 3 bits at PPL 74.8 from a PTQ start of 9,779, worse than 2-bit SEQ's 50.9)
+# Lease C (~1,300 device s): PACK=1 PARETOQ_FRACTIONS=0.1,0.2 ... run paretoq_split4s0 paretoq_split2s0 (~400 s), then
+#   the KL (QAD) pass the issue asks for beside CE: PARETOQ_LOSS=kl PACK=1 ... run paretoq4 paretoq3, then paretoq2
+#   paretoq158, then paretoq1 (~250-300 s an arm with the teacher's forward).
 # paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ
 # (same overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder).
 # PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).
