@@ -88,7 +88,8 @@ def check_scales_survive_serving(res: VerifyResult, sd: Dict[str, torch.Tensor],
     res.ok_or_fail("kv cache", f"k/v scales survive vLLM's {str(dt).replace('torch.', '')} parameter", not bad,
                    "; ".join(bad[:3]) + (f" (+{len(bad) - 3})" if len(bad) > 3 else "") +
                    ": vLLM keeps k_scale / v_scale in the model's dtype, so its cache divides by another scale than "
-                   "the student's; recalibrate the KV scales (qatfactory now rounds them up to a bf16 value)"
+                   "the student's; convert the student again with this qatfactory (its KV scales, amax / 448, are now "
+                   "rounded up to a bf16 value; a few QAD steps with the cache on re-adapt it)"
                    if bad else f"{len(want)} scales unchanged by torch's cast to {str(dt).replace('torch.', '')}",
                    source="torch cast; vLLM 0.24 quantization/kv_cache.py KVCacheScaleParameter (a transcription)")
 
