@@ -62,7 +62,9 @@ _SERVED = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.f
 def served_scale_dtype(cfg: Optional[Dict[str, Any]]) -> torch.dtype:
     """The dtype vLLM holds k_scale / v_scale in: its KVCacheScaleParameter is made while torch's default
     dtype is the model's (quantization/kv_cache.py of 0.24, a transcription), i.e. config.json's
-    torch_dtype (transformers 5: dtype); vLLM serves a float32 or unnamed one in bfloat16."""
+    torch_dtype (transformers 5: dtype). With --dtype auto vLLM downcasts a float32 config to the platform's
+    first supported dtype, bfloat16 on CUDA (config/model.py _resolve_auto_dtype, read in 0.24); an unnamed one
+    is taken as bfloat16 too."""
     name = str((cfg or {}).get("torch_dtype") or (cfg or {}).get("dtype") or "bfloat16").replace("torch.", "")
     dt = _SERVED.get(name, torch.bfloat16)
     return torch.bfloat16 if dt == torch.float32 else dt
