@@ -199,20 +199,16 @@ SCALE_RULES = {
 
 
 def scale_rule_rows(run, base, mask) -> List[Dict[str, Any]]:
-    """eps 0, the fp8 cache with each scale rule of SCALE_RULES (the quantizers ask the format for
-    fmt.scale(amax); the rule is swapped in the format's module for the run): KL to the unquantized forward
-    and to the first rule's forward, and the share of cached E4M3 values that differ from the first rule's."""
+    """eps 0, the fp8 cache with each scale rule of SCALE_RULES applied to ModelOpt's float32 amax / 448 (the
+    quantizers ask the format for fmt.scale(amax); the rule is swapped in the format's module for the run):
+    KL to the unquantized forward and to the first rule's forward."""
     from qatfactory.formats import kv as KVF
     from qatfactory.formats import kv_fp8
 
     keep = kv_fp8.amax_over_448
 
     def patched(rule):
-        def amax_over_448(name, amax):
-            a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
-            q = a / torch.tensor(KVF.FP8_MAX, dtype=torch.float32)
-            return torch.ones_like(q) if float(q) < 2.0 ** -126 else rule(q)
-        return amax_over_448
+        return lambda name, amax: rule(KVF.modelopt_kv_scale(name, amax))
 
     outs, rows = {}, []
     for label, rule in SCALE_RULES.items():

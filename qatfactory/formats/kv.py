@@ -95,10 +95,22 @@ def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
     return torch.tensor((b + 0xFFFF) & ~0xFFFF, dtype=torch.int32).view(torch.float32)
 
 
+def modelopt_kv_scale(name: str, amax) -> torch.Tensor:
+    """fp32(amax) / 448 as one IEEE float32 division: the k_scale / v_scale ModelOpt's exporter writes
+    (``unified_export_hf``: "kv cache scale as amax / 448 for both FP8 and NVFP4") and that
+    compressed-tensors' FP8 observer computes (max / FP8 max). Guard (ours): a zero or subnormal quotient
+    (amax below ~5e-36, an all-zero K) becomes 1.0, the scale vLLM assumes when a checkpoint has none;
+    such a tensor encodes to zeros either way. NaN/Inf/negative amax is refused."""
+    a = torch.as_tensor(amax, dtype=torch.float32).detach()
+    if a.numel() != 1 or not bool(torch.isfinite(a).all()) or float(a.reshape(-1)[0]) < 0:
+        raise ValueError(f"{name}: amax must be one finite float >= 0, got {amax!r}")
+    s = a.reshape(()).cpu() / torch.tensor(FP8_MAX, dtype=torch.float32)
+    return torch.ones_like(s) if float(s) < _SCALE_MIN_NORMAL else s
+
+
 def amax_over_448(name: str, amax) -> torch.Tensor:
-    """fp32(amax) / 448 as one IEEE float32 division -- the k_scale / v_scale ModelOpt's exporter
-    writes (``unified_export_hf``: "kv cache scale as amax / 448 for both FP8 and NVFP4") and that
-    compressed-tensors' FP8 observer computes (max / FP8 max) -- then rounded UP to a bfloat16 value.
+    """The per-layer scale every static-scale KV format uses: :func:`modelopt_kv_scale` rounded UP to a
+    bfloat16 value (1.0, the guard's value, is one already).
 
     Why the rounding: vLLM 0.24 holds k_scale / v_scale in ``KVCacheScaleParameter``
     (``quantization/kv_cache.py``: ``torch.tensor(-1.0)``, created while the model's dtype is torch's
@@ -108,19 +120,8 @@ def amax_over_448(name: str, amax) -> torch.Tensor:
     float32. A bf16 value passes unchanged through a cast to bf16, to fp16 (within its normal range,
     s >= 2**-14; the gate checks the export's dtype) and to fp32, so one scale is exact in every
     engine. Rounding up, not to nearest, keeps the calibrated amax within 448 * s (no saturation of
-    what calibration saw).
-
-    Guard (ours): a zero or subnormal quotient (amax below ~5e-36, an all-zero K) becomes 1.0, the
-    scale vLLM assumes when a checkpoint has none; such a tensor encodes to zeros either way.
-    NaN/Inf/negative amax is refused."""
-    a = torch.as_tensor(amax, dtype=torch.float32).detach()
-    if a.numel() != 1 or not bool(torch.isfinite(a).all()) or float(a.reshape(-1)[0]) < 0:
-        raise ValueError(f"{name}: amax must be one finite float >= 0, got {amax!r}")
-    a = a.reshape(()).cpu()
-    s = a / torch.tensor(FP8_MAX, dtype=torch.float32)
-    if float(s) < _SCALE_MIN_NORMAL:
-        return torch.ones_like(s)
-    return bf16_ceil(s)
+    what calibration saw)."""
+    return bf16_ceil(modelopt_kv_scale(name, amax))
 
 
 class KVCacheFormat:
