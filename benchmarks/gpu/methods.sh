@@ -47,26 +47,26 @@
 # a job run again in the same $WORK reuses an arm that finished with the same overrides (paretoq_common.run_arm)
 # and restarts one cut in training (resume=auto), so a cut job can be finished by the next call of a warm
 # machine. The split's byte model alone: 47-69 ms a step, ~90-100 s an arm (1,200 steps + evaluations).
-# What is left of issue 19 (sessions 35-36 ran 4, 3, 2, 1 bits and the split's f = 0.05 at seed 0) and issue 22's
-# re-run with the bf16-exact k/v scales, as leases of sequential calls, each well under 600 s. vLLM's parts ride
-# alone on quick `stash` calls (session 36: four 0.4 s calls, ~4 device s each with the transfer), then `kv`.
+# Done by session 37 (H100, 2026-12-06; results/h100_20261206_s3[5-7]): the CE sweep at 4, 3, 2, 1.58, 1 bits and
+# paretoq3lo; SEQ vs LSQ, both seeds; the split at 0, 0.4, 1 (both seeds) and 0.05, 0.1, 0.2 (seed 0, but 2-bit 0.2);
+# issue 22's readback with the bf16-exact scales. Measured alone on the H100 there: a 1,500-step CE job 179-199 s
+# (101-103 ms a step with FusedAdam), a split arm 70-78 s (38-41 ms a step), the kv job 388 s.
 # Session 36's profile (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
 # launches a step): ~40% host-bound.
-# Lease A (~1,350 device s with a machine start; issue 22 first, it decides that issue):
-#   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#     bash benchmarks/gpu/engines.sh preflight && CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight
-#   2 carry [.gpu/smollm2.gguf.part-aa, .vllm/vllm.zip.part-ad]    bash benchmarks/gpu/engines.sh stash    (seconds)
-#   3-5 carry [.vllm/vllm.zip.part-aa], then -ab, then -ac          bash benchmarks/gpu/engines.sh stash    (seconds each)
-#   6 carry [.gpu/smollm2.gguf.part-ab]    NO_SGLANG_WARM=1 T_KV=510 bash benchmarks/gpu/engines.sh kv      (474 s on
-#     2026-12-06; read the scales table (all equal now?) and KL(student || vLLM) against 0.018-0.023 before the fix)
-#   7 PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                           (~270 s with FusedAdam's JIT build)
-#   8 PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq0 paretoq_seqlsq_seq1   (~470 s)
-# Lease B (~1,000 device s): calls 1-2 without vLLM's parts (methods.sh preflight / stash), then
-#   PACK=1 bash benchmarks/gpu/methods.sh run paretoq_seqlsq_lsq1 paretoq3lo                 (~470 s)
-#   PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s1 paretoq_split2s1   (~550 s)
-# Lease C (~1,300 device s): PACK=1 PARETOQ_FRACTIONS=0.1,0.2 ... run paretoq_split4s0 paretoq_split2s0 (~400 s), then
-#   the KL (QAD) pass the issue asks for beside CE: PARETOQ_LOSS=kl PACK=1 ... run paretoq4 paretoq3, then paretoq2
-#   paretoq158, then paretoq1 (~250-300 s an arm with the teacher's forward).
+# What is left of issue 19, as one lease (~1,600 device s with a machine start; KL arms ESTIMATED at ~1.3x a CE
+# arm for the teacher's forward: ~235 s a 1,500-step job, ~120 s a 500-step one; the KL path runs on CPU:
+# `paretoq_bits.py --smoke --loss kl`):
+#   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
+#     PACK=1 PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh preflight paretoq_split2s0           (~130 s)
+#   2 carry [.gpu/smollm2.gguf.part-aa]
+#     PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (~450 s)
+#   3 carry [.gpu/smollm2.gguf.part-ab]
+#     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq4 paretoq3                       (~250 s)
+#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158                     (~470 s)
+#   5 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                                (~235 s)
+#   then, if a lease has room: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
+# Issue 22 needs no more device calls. Its readback, for a later check: Lease A of session 36-37 (vLLM's five
+# parts on four quick `stash` calls after `engines.sh preflight`, then `NO_SGLANG_WARM=1 T_KV=510 engines.sh kv`).
 # paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ
 # (same overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder).
 # PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).

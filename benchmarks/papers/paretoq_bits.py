@@ -239,14 +239,20 @@ def report(out: Path, res: Dict[str, Any]) -> None:
 
     def draw(fig):
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-        for loss in sorted({r["loss"] for r in res["arms"]}):
-            rr = [r for r in res["arms"] if r["loss"] == loss]
+        # one series per (loss, steps, LR): a row at another setting (--low-setting) is its own line, not a
+        # vertical jump at its bit width
+        series = sorted({(r["loss"], int(r["steps"]), float(r["lr"])) for r in res["arms"]})
+        width = 0.8 / (2 * len(series))
+        for i, (loss, steps, lr) in enumerate(series):
+            rr = sorted((r for r in res["arms"] if (r["loss"], int(r["steps"]), float(r["lr"])) == (loss, steps, lr)),
+                        key=lambda r: float(r["bits"]))
             x = [float(r["bits"]) for r in rr]
-            ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], "o-", label=f"QAT ({loss.upper()})")
-            ax1.plot(x, [r["ptq"]["eval/ppl"] for r in rr], "x--", label=f"PTQ init ({loss.upper()} arm)")
-            w = 0.12 if loss == "ce" else -0.12
-            ax2.bar([v + w for v in x], [r["bin_change_fraction"] for r in rr], 0.2, label=f"bins changed ({loss})")
-            ax2.plot(x, [r["rel_weight_change"] for r in rr], "s-", label=f"rel dW ({loss})")
+            tag = f"{loss.upper()}, {steps} steps, LR {lr:g}"
+            ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], "o-", label=f"QAT ({tag})")
+            ax1.plot(x, [r["ptq"]["eval/ppl"] for r in rr], "x--", label=f"PTQ init ({tag})")
+            off = (i - (len(series) - 1) / 2) * width
+            ax2.bar([v + off for v in x], [r["bin_change_fraction"] for r in rr], width, label=f"bins changed ({tag})")
+            ax2.plot(x, [r["rel_weight_change"] for r in rr], "s-", label=f"rel dW ({tag})")
         if t.get("eval/ppl"):
             ax1.axhline(t["eval/ppl"], color="k", lw=0.8, label="unquantized")
         ax1.set_yscale("log")
