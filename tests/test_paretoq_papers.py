@@ -266,7 +266,7 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     res = json.loads((out / "paretoq_split.json").read_text())
     md = (out / "paretoq_split.md").read_text()
     assert res["best_fraction"] == {"4": 1.0, "2": 1.0}
-    assert "**Not run yet (or not complete)**: 4-bit seed 1, 2-bit seed 1." in md
+    assert "**Not run yet (or not complete)**: 4-bit seed 1 (every fraction), 2-bit seed 1 (every fraction)." in md
     # the design has two seeds: a mean of one says so, and so does the best f drawn from such means
     assert "| 4 | 2.5 (seed 0 only) | 2.4 (seed 0 only) | 1.5 (seed 0 only) | 1 (f=0, 0.1, 1 from fewer seeds) |" in md
     # a minimum over some of the fractions is named as such, not as the design's optimum
@@ -275,6 +275,7 @@ def test_seq_vs_lsq_and_split_rows_merged(tmp_path):
     assert P.main(["--merge", str(tmp_path / "split4"), str(tmp_path / "split2"), "--out", str(out)]) == 0
     md = (out / "paretoq_split.md").read_text()
     assert "| 2 | 2.5 (seed 0 only) | nan | 1.5 (seed 0 only) | 1 (of the 2 of 3 fractions run; f=0, 1 from fewer seeds) |" in md
+    assert "2-bit seed 0 (f = 0.1)" in md                  # a job with a fraction missing names the fraction
     # with both seeds in, the means are plain numbers and the best f needs no qualifier
     for bits in ("4", "2"):
         _split_rows(tmp_path / f"split{bits}s1", sp, bits, 1, 2.7)

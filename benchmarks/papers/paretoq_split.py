@@ -145,8 +145,14 @@ def report(out: Path, res: Dict[str, Any]) -> None:
                         for b in mean]),
             "", "ParetoQ reports the optimum near f = 0.1 (MobileLLM); this table is the measurement, not that claim."]
     have = {(r["bits"], r["f"], r["seed"]) for r in res["arms"]}
-    gone = [f"{b}-bit seed {sd}" for sd in range(int(res["setting"].get("seeds") or 1)) for b in BITS
-            if any((b, f, sd) not in have for f in res["setting"]["fractions"])]
+    gone = []
+    for sd in range(int(res["setting"].get("seeds") or 1)):
+        for b in BITS:
+            miss = [f for f in res["setting"]["fractions"] if (b, f, sd) not in have]
+            if miss:
+                which = "every fraction" if len(miss) == len(res["setting"]["fractions"]) else \
+                    "f = " + ", ".join(f"{f:g}" for f in miss)
+                gone.append(f"{b}-bit seed {sd} ({which})")
     if gone and not res.get("smoke"):
         text += ["", "**Not run yet (or not complete)**: " + ", ".join(gone) + "."]
     text += C.merged_note(res)
