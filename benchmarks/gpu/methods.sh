@@ -57,7 +57,7 @@
 # arm for the teacher's forward: ~235 s a 1,500-step job, ~120 s a 500-step one; the KL path runs on CPU:
 # `paretoq_bits.py --smoke --loss kl`):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#     PACK=1 PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh preflight paretoq_split2s0           (~130 s)
+#     PACK=1 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh preflight paretoq_split2s0   (~130 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
 #     PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (~450 s)
 #   3 carry [.gpu/smollm2.gguf.part-ab]
