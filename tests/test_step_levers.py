@@ -126,8 +126,15 @@ def test_zero1_paths_train_zero0s_bits_or_within_the_norms_rounding(tmp_path, mo
     w0, m0, l0, f0 = _run(tmp_path, monkeypatch, "z0c", fresh)
     w1, m1, l1, f1 = _run(tmp_path, monkeypatch, "z1c", *over)
     assert f0["norm"] > 0.05 and abs(f1["norm"] - f0["norm"]) <= 1e-4 * f0["norm"]
-    # 4 steps at lr 1e-2: the masters moved up to ~4e-2; they agree to 5% of one step
-    assert (m1 - m0).abs().max().item() <= 0.05 * 1e-2
+    # 4 steps at lr 1e-2: the masters moved up to ~4e-2. Adam cancels the clip factor's rounding itself
+    # (~1e-4 relative, so ~1e-6 of a step); what remains is that rounding flipping a bf16 weight, which changes
+    # the next steps' gradients. Measured: max 4.9-5.1% of one step, ~0.25% of the masters above 1% of a step
+    # (an AVX2 EPYC, 2026-12-07; under 5% on the AVX-512 machine before). Bounded at 10% of a step for the
+    # worst element and 1% of the masters beyond 1% of a step. A wrong update moves most masters beyond it
+    # (measured the same day): no clip 92%, an LR 10% off 98%, one step fewer 99%.
+    d = (m1 - m0).abs()
+    assert d.max().item() <= 0.10 * 1e-2
+    assert (d > 0.01 * 1e-2).float().mean().item() <= 0.01
     assert max(abs(a - b) for a, b in zip(l0, l1)) <= 1e-3
 
 
