@@ -55,15 +55,19 @@
 # launches a step): ~40% host-bound.
 # What is left of issue 19, as one lease (~1,600 device s with a machine start; KL arms ESTIMATED at ~1.3x a CE
 # arm for the teacher's forward: ~235 s a 1,500-step job, ~120 s a 500-step one; the KL path runs on CPU:
-# `paretoq_bits.py --smoke --loss kl`):
+# `paretoq_bits.py --smoke --loss kl`). In order of what the issue lacks most: the KL (QAD) sweep has no row yet,
+# the split has all six fractions at seed 0 but 2-bit 0.2, and seed 1 only at 0, 0.4, 1. Session 38 got no machine at all:
+# 20 calls from 22:49 to 01:02 UTC (12 failed starts on H100 and H200, 8 refused at once), ~1,456 device s spent, none of this list ran. The order
+# below puts what a short lease can still finish first (calls 3-4):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#     PACK=1 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh preflight paretoq_split2s0   (~130 s)
+#     PACK=1 CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight            (~50 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
-#     PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (~450 s)
+#     PACK=1 PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh stash paretoq_split2s0                    (~80 s)
 #   3 carry [.gpu/smollm2.gguf.part-ab]
 #     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq4 paretoq3                       (~250 s)
-#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq2 paretoq158                     (~470 s)
-#   5 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                                (~235 s)
+#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq2                                (~235 s)
+#   5 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158 paretoq1                     (~470 s)
+#   6 PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s1 paretoq_split2s1  (~450 s)
 #   then, if a lease has room: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
 # Issue 22 needs no more device calls. Its readback, for a later check: Lease A of session 36-37 (vLLM's five
 # parts on four quick `stash` calls after `engines.sh preflight`, then `NO_SGLANG_WARM=1 T_KV=510 engines.sh kv`).
