@@ -241,11 +241,12 @@ def report(out: Path, res: Dict[str, Any]) -> None:
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         # one series per (loss, steps, LR): a row at another setting (--low-setting) is its own line, not a
         # vertical jump at its bit width
-        series = sorted({(r["loss"], int(r["steps"]), float(r["lr"])) for r in res["arms"]})
+        def setting(r):
+            return r["loss"], int(r["steps"]), float(r["lr"])
+        series = sorted({setting(r) for r in res["arms"]})
         width = 0.8 / (2 * len(series))
         for i, (loss, steps, lr) in enumerate(series):
-            rr = sorted((r for r in res["arms"] if (r["loss"], int(r["steps"]), float(r["lr"])) == (loss, steps, lr)),
-                        key=lambda r: float(r["bits"]))
+            rr = sorted((r for r in res["arms"] if setting(r) == (loss, steps, lr)), key=lambda r: float(r["bits"]))
             x = [float(r["bits"]) for r in rr]
             tag = f"{loss.upper()}, {steps} steps, LR {lr:g}"
             ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], "o-", label=f"QAT ({tag})")
