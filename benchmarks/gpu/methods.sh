@@ -57,10 +57,11 @@
 # arm for the teacher's forward: ~235 s a 1,500-step job, ~120 s a 500-step one; the KL path runs on CPU:
 # `paretoq_bits.py --smoke --loss kl`). In order of what the issue lacks most: the KL (QAD) sweep has no row yet,
 # the split has all six fractions at seed 0 but 2-bit 0.2, and seed 1 only at 0, 0.4, 1. Session 38 got no machine at all:
-# 20 calls from 22:49 to 01:02 UTC (12 failed starts on H100 and H200, 8 refused at once), ~1,456 device s spent, none of this list ran.
-# Session 39 got none either: 20 calls from 02:17 to 04:25 UTC (13 failed starts: 8 on H100 at 90 s, 5 on H200 at 90-180 s;
-# 7 refused at 15 s), 1,456 device s spent. A failed start costs 90 s naming nvidia-h100-x1, up to 180 s naming nvidia-h200;
-# check `status` (free) for none_now before each try; below ~450 s left, calls 1-3 (~315 s) and a start no longer fit. The order below puts what a short lease can still finish first (calls 3-4):
+# 20 calls from 22:49 to 01:02 UTC (12 failed starts, 8 refused at once), ~1,456 device s spent, none of this list ran.
+# Session 39 got none either: 20 calls from 02:17 to 04:25 UTC (13 failed starts: 8 on H100 at 90 s, 5 on H200 at
+# 90-180 s; 7 refused at 15 s), 1,456 device s spent. So: name nvidia-h100-x1 (a failed start costs 90 s there, up
+# to 180 s naming nvidia-h200); check `status` (free) for none_now before each try; below ~450 s left, calls 1-3
+# (~315 s) and a start no longer fit. The order below puts what a short lease can still finish first (calls 3-4):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     PACK=1 CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight            (~50 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
