@@ -53,25 +53,27 @@
 # (101-103 ms a step with FusedAdam), a split arm 70-78 s (38-41 ms a step), the kv job 388 s.
 # Session 36's profile (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
 # launches a step): ~40% host-bound.
-# What is left of issue 19, as one lease (~1,600 device s with a machine start; KL arms ESTIMATED at ~1.3x a CE
-# arm for the teacher's forward: ~235 s a 1,500-step job, ~120 s a 500-step one; the KL path runs on CPU:
-# `paretoq_bits.py --smoke --loss kl`). In order of what the issue lacks most: the KL (QAD) sweep has no row yet,
-# the split has all six fractions at seed 0 but 2-bit 0.2, and seed 1 only at 0, 0.4, 1. Session 38 got no machine at all:
-# 20 calls from 22:49 to 01:02 UTC (12 failed starts, 8 refused at once), ~1,456 device s spent, none of this list ran.
-# Session 39 got none either: 20 calls from 02:17 to 04:25 UTC (13 failed starts: 8 on H100 at 90 s, 5 on H200 at
-# 90-180 s; 7 refused at 15 s), 1,456 device s spent. So: name nvidia-h100-x1 (a failed start costs 90 s there, up
-# to 180 s naming nvidia-h200); check `status` (free) for none_now before each try; below ~450 s left, calls 1-3
-# (~315 s) and a start no longer fit. The order below puts what a short lease can still finish first (calls 3-4):
+# Sessions 38 and 39 got no machine (40 calls, 25 failed starts, 2 x 1,456 device s). Session 40 (H100, 2026-12-07,
+# results/h100_20261207_s40) ran the first four calls of the plan then: the KL (QAD) sweep at 4, 3, 2 bits and the split's 2-bit
+# f = 0.2 (seed 0). Measured there, each job alone: machine start ~85 s; preflight 36 s; a split arm ~90 s (39 ms a
+# step); the 500-step KL jobs 131 s (with the unquantized row) and 94 s; the 1,500-step KL job 268 s (153 ms a
+# step). The machine was then taken back during call 5 (~15 s lost, the staging with it), and six starts over the
+# next 30 min failed: 90 s each naming nvidia-h100-x1, 180 s naming nvidia-h200, 15 s a refused call. So: check
+# `status` (free) for none_now before each try, name nvidia-h100-x1, space tries ~10 min.
+# What is left of issue 19, as one lease (~1,250 device s with a machine start, in order of what the issue lacks:
+# QAD at 1.58 and 1 bit, then the split's seed 1 at 0.05 / 0.1 / 0.2 at both widths). With less than ~1,250 s left,
+# run the calls without their split jobs (~700 s); with less than ~450 s, one split job on call 1 is all that fits:
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#     PACK=1 CUDA_TESTS=tests/test_lowbit_batch_cuda.py bash benchmarks/gpu/methods.sh preflight            (~50 s)
+#     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
+#       bash benchmarks/gpu/methods.sh preflight paretoq_split4s1 paretoq_split2s1                    (~230 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
-#     PACK=1 PARETOQ_FRACTIONS=0.2 bash benchmarks/gpu/methods.sh stash paretoq_split2s0                    (~80 s)
+#     PACK=1 PARETOQ_FRACTIONS=0.05,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (~370 s)
 #   3 carry [.gpu/smollm2.gguf.part-ab]
-#     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq4 paretoq3                       (~250 s)
-#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq2                                (~235 s)
-#   5 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158 paretoq1                     (~470 s)
-#   6 PACK=1 PARETOQ_FRACTIONS=0.05,0.1,0.2 bash benchmarks/gpu/methods.sh run paretoq_split4s1 paretoq_split2s1  (~450 s)
+#     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                          (~275 s)
+#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                            (~275 s)
 #   then, if a lease has room: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
+# A call cut by the lease's end loses a PACKed call's every file; without PACK each job's folder (2 files) is
+# copied to $OUT as it ends and comes back even if a later job is cut (at most 8 files a call).
 # Issue 22 needs no more device calls. Its readback, for a later check: Lease A of session 36-37 (vLLM's five
 # parts on four quick `stash` calls after `engines.sh preflight`, then `NO_SGLANG_WARM=1 T_KV=510 engines.sh kv`).
 # paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ

@@ -240,29 +240,38 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     def draw(fig):
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         # one series per (loss, steps, LR): a row at another setting (--low-setting) is its own line, not a
-        # vertical jump at its bit width
+        # vertical jump at its bit width. One colour per loss, one line style per setting; the PTQ start
+        # depends on the grid only (the same init whatever the loss or setting), so it is drawn once
         def setting(r):
             return r["loss"], int(r["steps"]), float(r["lr"])
         series = sorted({setting(r) for r in res["arms"]})
+        colours = {"ce": "tab:blue", "kl": "tab:red"}
+        styles = {s: ("-", ":", "--", "-.")[i % 4] for i, s in enumerate(sorted({(st, lr) for _, st, lr in series}))}
+        ptq = {}
+        for r in res["arms"]:
+            ptq.setdefault(float(r["bits"]), r["ptq"]["eval/ppl"])
+        ax1.plot(sorted(ptq), [ptq[b] for b in sorted(ptq)], "x--", color="0.55", label="PTQ start (any loss)")
         width = 0.8 / (2 * len(series))
         for i, (loss, steps, lr) in enumerate(series):
             rr = sorted((r for r in res["arms"] if setting(r) == (loss, steps, lr)), key=lambda r: float(r["bits"]))
             x = [float(r["bits"]) for r in rr]
             tag = f"{loss.upper()}, {steps} steps, LR {lr:g}"
-            ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], "o-", label=f"QAT ({tag})")
-            ax1.plot(x, [r["ptq"]["eval/ppl"] for r in rr], "x--", label=f"PTQ init ({tag})")
+            kw = dict(color=colours.get(loss), linestyle=styles[(steps, lr)])
+            ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], marker="o", label=f"trained ({tag})", **kw)
             off = (i - (len(series) - 1) / 2) * width
-            ax2.bar([v + off for v in x], [r["bin_change_fraction"] for r in rr], width, label=f"bins changed ({tag})")
-            ax2.plot(x, [r["rel_weight_change"] for r in rr], "s-", label=f"rel dW ({tag})")
+            ax2.bar([v + off for v in x], [r["bin_change_fraction"] for r in rr], width, color=colours.get(loss),
+                    alpha=0.35 if steps == min(s for _, s, _ in series) else 0.7)
+            ax2.plot(x, [r["rel_weight_change"] for r in rr], marker="s", label=f"{tag}", **kw)
         if t.get("eval/ppl"):
             ax1.axhline(t["eval/ppl"], color="k", lw=0.8, label="unquantized")
         ax1.set_yscale("log")
         ax1.set_xlabel("bits per weight (grid)")
         ax1.set_ylabel("held-out PPL")
-        ax1.legend(fontsize=7)
+        ax1.legend(fontsize=7, loc="center left")
         ax2.set_xlabel("bits per weight (grid)")
-        ax2.set_title("learning transition vs PTQ init", fontsize=9)
-        ax2.legend(fontsize=7)
+        ax2.set_ylabel("rel dW (lines), share of bins changed (bars)", fontsize=8)
+        ax2.set_title("weight movement vs the PTQ start", fontsize=9)
+        ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.suptitle("ParetoQ bit sweep" + (" (SMOKE, measures nothing)" if res["smoke"] else ""), fontsize=10)
     C.plot(out / "paretoq_bits.png", draw)
 
