@@ -252,6 +252,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             ptq.setdefault(float(r["bits"]), r["ptq"]["eval/ppl"])
         ax1.plot(sorted(ptq), [ptq[b] for b in sorted(ptq)], "x--", color="0.55", label="PTQ start (any loss)")
         width = 0.8 / (2 * len(series))
+        shortest = min(st for _, st, _ in series)
         for i, (loss, steps, lr) in enumerate(series):
             rr = sorted((r for r in res["arms"] if setting(r) == (loss, steps, lr)), key=lambda r: float(r["bits"]))
             x = [float(r["bits"]) for r in rr]
@@ -260,8 +261,8 @@ def report(out: Path, res: Dict[str, Any]) -> None:
             ax1.plot(x, [r["qat"]["eval/ppl"] for r in rr], marker="o", label=f"trained ({tag})", **kw)
             off = (i - (len(series) - 1) / 2) * width
             ax2.bar([v + off for v in x], [r["bin_change_fraction"] for r in rr], width, color=colours.get(loss),
-                    alpha=0.35 if steps == min(s for _, s, _ in series) else 0.7)
-            ax2.plot(x, [r["rel_weight_change"] for r in rr], marker="s", label=f"{tag}", **kw)
+                    alpha=0.35 if steps == shortest else 0.7, label=f"bins changed ({tag})")
+            ax2.plot(x, [r["rel_weight_change"] for r in rr], marker="s", label=f"rel dW ({tag})", **kw)
         if t.get("eval/ppl"):
             ax1.axhline(t["eval/ppl"], color="k", lw=0.8, label="unquantized")
         ax1.set_yscale("log")
