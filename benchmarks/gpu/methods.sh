@@ -60,18 +60,18 @@
 # step). The machine was then taken back during call 5 (~15 s lost, the staging with it), and six starts over the
 # next 30 min failed: 90 s each naming nvidia-h100-x1, 180 s naming nvidia-h200, 15 s a refused call. So: check
 # `status` (free) for none_now before each try, name nvidia-h100-x1, space tries ~10 min.
-# What is left of issue 19, as one lease (~1,250 device s with a machine start, in order of what the issue lacks:
-# QAD at 1.58 and 1 bit, then the split's seed 1 at 0.05 / 0.1 / 0.2 at both widths). With less than ~1,250 s left,
-# run the calls without their split jobs (~700 s); with less than ~450 s, one split job on call 1 is all that fits:
+# Session 41 (H100, 2026-12-07, results/h100_20261207_s41) ran the last of issue 19's design as one lease, after
+# four failed starts (~90 s each) and one refusal (15 s): the machine start took ~380 s of call 1 this time, then
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
-#       bash benchmarks/gpu/methods.sh preflight paretoq_split4s1 paretoq_split2s1                    (~230 s)
+#       bash benchmarks/gpu/methods.sh preflight paretoq_split4s1 paretoq_split2s1                    (188 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
-#     PACK=1 PARETOQ_FRACTIONS=0.05,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (~370 s)
+#     PACK=1 PARETOQ_FRACTIONS=0.05,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (226 s)
 #   3 carry [.gpu/smollm2.gguf.part-ab]
-#     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                          (~275 s)
-#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                            (~275 s)
-#   then, if a lease has room: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
+#     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                          (262 s)
+#   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                            (229 s)
+# 1,307 s held (947 s of device time counted). The same shape serves any rerun: staging on calls 1-3, one 1,500-step job per call.
+# Optional, not in the design: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
 # A call cut by the lease's end loses a PACKed call's every file; without PACK each job's folder (2 files) is
 # copied to $OUT as it ends and comes back even if a later job is cut (at most 8 files a call).
 # Issue 22 needs no more device calls. Its readback, for a later check: Lease A of session 36-37 (vLLM's five
