@@ -173,7 +173,12 @@ def report(out: Path, res: Dict[str, Any], tag: str = TAG) -> None:
               f"clip 1, {p['warmup']} warm-up steps, calibration `{res.get('calib')}` before training. Held out: "
               f"{p['eval_windows']} windows of {p['eval_seq']} tokens per set; KL(teacher || student) in nats/token.",
               "", C.md_table(["arm", "LR", "tokens", "WIKI CE", "WIKI KL", "WIKI top-1", "AUS KL", "ms/step",
-                              "GPU-min"], rows_of(res))]
+                              "wall min"], rows_of(res))]
+    if res.get("merged_from"):
+        lines += ["", f"Merged from {len(res['merged_from'])} processes' JSONs (the header's command is the first's): "
+                      + ", ".join(Path(x).parent.name + "/" + Path(x).name for x in res["merged_from"]) + "."]
+    lines += ["", "ms/step and wall minutes are measured with every process of the same call sharing one GPU: "
+                  "they compare arms of one call, not tools."]
     lines += C.status_lines(res.get("arms", []))
     C.write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
     C.write_json(out / f"{tag}.json", res)
@@ -221,8 +226,11 @@ def merge(paths: List[Path], out: Path) -> int:
         if mine != ref:
             raise SystemExit(f"--merge: {p} measured other data, format or preset than {paths[0]}; not merged")
     merged = dict(base)
-    merged["ptq"] = next((d["ptq"] for d in docs if d.get("ptq")), {})
-    merged["arms"] = [r for d in docs for r in d.get("arms", [])]
+    merged["ptq"] = {k: v for d in docs for k, v in (d.get("ptq") or {}).items() if "error" not in v}
+    # an arm that failed in one call and finished in another keeps only its finished row
+    finished = {r["arm"] for d in docs for r in d.get("arms", []) if r.get("status") == "done"}
+    merged["arms"] = [r for d in docs for r in d.get("arms", [])
+                      if r.get("status") == "done" or r["arm"] not in finished]
     merged["partial_curves"] = {k: v for d in docs for k, v in (d.get("partial_curves") or {}).items()}
     # a process cut by its time limit wrote no row for the arm it was training; its logged curve still counts
     done = {r["arm"] for r in merged["arms"]}
