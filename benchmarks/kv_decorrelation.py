@@ -1,7 +1,7 @@
 """Does an FP8 KV cache's rounding stay shared between two forwards that differ a little? Issue 22, CPU.
 
 vLLM serving our fp8_e4m3 export sat 0.019 nats (KL) from every student variant, its bf16 cache 0.0019 from the
-student's bf16 forward (results/h100_20261206_s33/kv). The cache write itself is bit-exact: vLLM's own
+student's bf16 forward (results/kv_vllm_h100_20261206_bf16_control). The cache write itself is bit-exact: vLLM's own
 reshape_and_cache op stores the bytes our rule computes for the same K and V (0 of 263,168 differ, same run).
 The hypothesis measured here: the engine's K and V are not the student's K and V. They differ a little
 (its bf16 kernels, NVFP4 Marlin GEMMs, fused RoPE), and the E4M3 grid is coarse (3 mantissa bits). So a
@@ -22,7 +22,7 @@ uses the same scales, as the engine loads the exported ones). Reported per eps:
 * the fraction of K and V elements (all layers) whose E4M3 value differs between A8 and B8, and the median
   relative difference |K_B - K_A| / |K_A| of the unquantized K (the last layer).
 
-    python benchmarks/kv_decorrelation.py --out benchmarks/results/kv_decorrelation      # ~5 min, 2 cores
+    python benchmarks/kv_decorrelation.py --out benchmarks/results/kv_decorrelation_cpu_20261206      # ~5 min, 2 cores
 
 Writes kv_decorrelation.json, .md and .png.
 """

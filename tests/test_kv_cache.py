@@ -275,10 +275,10 @@ def test_a_kv_format_on_a_bf16_run_is_refused():
         compose(["format=bf16", "quant.kv_format=fp8_e4m3"])
 
 
-def test_readme_kv_table_matches_the_registry():
+def test_docs_kv_table_matches_the_registry():
     import re
     from pathlib import Path
     from qatfactory.formats.kv import markdown_table
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kv-cache.md").read_text()
     m = re.search(r"<!-- kv-formats-table -->\n(.*?)\n<!-- /kv-formats-table -->", text, re.S)
     assert m and m.group(1).strip() == markdown_table().strip()

@@ -1,4 +1,4 @@
-"""The README's promises stay true: the two commands, and the formats table matches the registry."""
+"""The README's and docs' promises stay true: the two commands, and the generated tables match their sources."""
 import re
 from pathlib import Path
 
@@ -15,19 +15,19 @@ def test_readme_shows_the_two_commands():
 
 
 def test_formats_table_matches_registry():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "formats.md").read_text()
     m = re.search(r"<!-- formats-table -->\n(.*?)\n<!-- /formats-table -->", text, re.S)
-    assert m, "README lost its formats table markers"
+    assert m, "docs/formats.md lost its formats table markers"
     assert m.group(1).strip() == markdown_table().strip(), (
-        "README formats table is out of date: regenerate it with `python -m qatfactory.formats`")
+        "docs/formats.md formats table is out of date: regenerate it with `python -m qatfactory.formats`")
 
 
 def test_reliability_table_has_every_exit_code():
-    """README's one reliability table names every exit code of qatfactory.exitcodes with its meaning."""
+    """docs/reliability.md's one table names every exit code of qatfactory.exitcodes with its meaning."""
     from qatfactory.exitcodes import TABLE
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "reliability.md").read_text()
     m = re.search(r"<!-- reliability-table -->\n(.*?)\n<!-- /reliability-table -->", text, re.S)
-    assert m, "README lost its reliability table markers"
+    assert m, "docs/reliability.md lost its reliability table markers"
     rows = m.group(1)
     for code, name, meaning in TABLE:
         assert f"| exit {code} | {name} | {meaning} |" in rows, (code, name)
@@ -54,10 +54,10 @@ def test_verdict_words_and_exit_codes_match():
 
 def test_engine_run_numbers_match_the_results_file():
     """The matrix's 'loaded by the engine itself' column quotes the last GPU run: its numbers must be
-    the ones in that run's engines.json (benchmarks/results/h200_20261201_s27, all six vLLM cells)."""
+    the ones in that run's engines.json (benchmarks/results/engines_h200_20261201, all six vLLM cells)."""
     import json
     from qatfactory.exporters.matrix import ENGINE_RUNS
-    d = json.loads((ROOT / "benchmarks" / "results" / "h200_20261201_s27" / "engines.json").read_text())["cells"]
+    d = json.loads((ROOT / "benchmarks" / "results" / "engines_h200_20261201" / "engines.json").read_text())["cells"]
     assert all(c["vllm"]["loaded"] for c in d.values()) and len(d) == 6
     for flavour, cells in (("compressed-tensors", ("nvfp4-w4a16-ct", "mxfp4-w4a16-ct")),
                            ("modelopt", ("nvfp4-w4a16-modelopt",))):
@@ -80,7 +80,7 @@ def test_sglang_column_quotes_its_run():
     PTQ baseline, top-1, throughput, the bf16 SmolLM2's speeds) and the 2026-12-03 failure of SmolLM2's shapes."""
     import json
     from qatfactory.exporters.matrix import ENGINE_RUNS
-    d = json.loads((ROOT / "benchmarks" / "results" / "h100_20261206_s33" / "engines" / "engines.json").read_text())
+    d = json.loads((ROOT / "benchmarks" / "results" / "engines_sglang_h100_20261206" / "engines.json").read_text())
     txt = ENGINE_RUNS[("sglang", "modelopt")]
     sg = d["cells"]["llama768-nvfp4-w4a4-modelopt"]["sglang"]
     assert sg["record"]["loaded"] and sg["record"]["sglang"] == "0.5.17" and txt.startswith("yes: SGLang 0.5.17")
@@ -92,7 +92,7 @@ def test_sglang_column_quotes_its_run():
     assert f"{tp['1']:.2f}x / {tp['64']:.2f}x" in txt
     bf = d["sglang_bf16"]["throughput"]
     assert f"{bf['1']['tokens_per_s']:.0f} / {bf['64']['tokens_per_s']:,.0f} tok/s" in txt
-    old = json.loads((ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "engines.json").read_text())
+    old = json.loads((ROOT / "benchmarks" / "results" / "engines_sglang_h200_20261203" / "engines.json").read_text())
     assert old["cells"]["nvfp4-w4a4-modelopt"]["sglang"]["record"]["loaded"] is False
-    log = (ROOT / "benchmarks" / "results" / "h200_20261203_s29" / "sglang_nvfp4_w4a4_modelopt.log").read_text()
+    log = (ROOT / "benchmarks" / "results" / "engines_sglang_h200_20261203" / "sglang_nvfp4_w4a4_modelopt.log").read_text()
     assert "Invalid thread config" in log and "MKN = [64, 576, 960]" in log and "K = 576, N = 960" in txt

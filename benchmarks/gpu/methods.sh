@@ -31,13 +31,13 @@
 #   3  PRESET=probe bash benchmarks/gpu/methods.sh run paretoq4 paretoq2      (~4 min: step_ms of the C1 arms)
 #   4  bash benchmarks/gpu/methods.sh run paretoq_pilot      (2 x 300 steps, ~3-5 min); its JSON says "chosen":
 #        every later job below 3 bits takes PARETOQ_LR_LO=<chosen> (default 1e-4: the H100 pilot of 2026-12-06 chose
-#        it over 2e-5, CE 5.43 vs 6.79 after 300 steps; results/h100_20261206/paretoq_pilot.json; no need to rerun it)
+#        it over 2e-5, CE 5.43 vs 6.79 after 300 steps; results/paretoq_runs_h100_20261206_07/20261206_lr_pilot/paretoq_pilot.json; no need to rerun it)
 #   5  bash benchmarks/gpu/methods.sh run paretoq4 paretoq3  (the unquantized row + 500 + 500 steps, ~5-8 min)
 #   6  PARETOQ_LR_LO=.. bash benchmarks/gpu/methods.sh run paretoq2     (1,500 steps, ~4-8.5 min)
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
 #   9-12  ... run paretoq_seqlsq_seq0 / _lsq0 / _seq1 / _lsq1           (1,500 steps each, ~4-8.5 min)
 #   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
-# Measured on an H100, 2026-12-06 (session 35; results/h100_20261206_s35): sharing the GPU does NOT pay for
+# Measured on an H100, 2026-12-06 (session 35; results/paretoq_runs_h100_20261206_07/20261206_bits_4_3_1): sharing the GPU does NOT pay for
 # these jobs. One 1,500-step SmolLM2 arm alone trains in 215 s (135-143 ms a step) and its whole job takes
 # 228 s. Three at once (`par`): 450-457 s of training each (~304 ms a step, 1.4x the throughput of one) and
 # then their diagnostics (CPU) did not end in 85 s, so all three were cut at 540 s (16 threads per job on 16
@@ -47,20 +47,20 @@
 # a job run again in the same $WORK reuses an arm that finished with the same overrides (paretoq_common.run_arm)
 # and restarts one cut in training (resume=auto), so a cut job can be finished by the next call of a warm
 # machine. The split's byte model alone: 47-69 ms a step, ~90-100 s an arm (1,200 steps + evaluations).
-# Done by session 37 (H100, 2026-12-06; results/h100_20261206_s3[5-7]): the CE sweep at 4, 3, 2, 1.58, 1 bits and
+# Done by session 37 (H100, 2026-12-06; results/paretoq_runs_h100_20261206_07/20261206_*): the CE sweep at 4, 3, 2, 1.58, 1 bits and
 # paretoq3lo; SEQ vs LSQ, both seeds; the split at 0, 0.4, 1 (both seeds) and 0.05, 0.1, 0.2 (seed 0, but 2-bit 0.2);
 # issue 22's readback with the bf16-exact scales. Measured alone on the H100 there: a 1,500-step CE job 179-199 s
 # (101-103 ms a step with FusedAdam), a split arm 70-78 s (38-41 ms a step), the kv job 388 s.
 # Session 36's profile (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
 # launches a step): ~40% host-bound.
 # Sessions 38 and 39 got no machine (40 calls, 25 failed starts, 2 x 1,456 device s). Session 40 (H100, 2026-12-07,
-# results/h100_20261207_s40) ran the first four calls of the plan then: the KL (QAD) sweep at 4, 3, 2 bits and the split's 2-bit
+# results/paretoq_runs_h100_20261206_07/20261207_kl_4_3_2_split) ran the first four calls of the plan then: the KL (QAD) sweep at 4, 3, 2 bits and the split's 2-bit
 # f = 0.2 (seed 0). Measured there, each job alone: machine start ~85 s; preflight 36 s; a split arm ~90 s (39 ms a
 # step); the 500-step KL jobs 131 s (with the unquantized row) and 94 s; the 1,500-step KL job 268 s (153 ms a
 # step). The machine was then taken back during call 5 (~15 s lost, the staging with it), and six starts over the
 # next 30 min failed: 90 s each naming nvidia-h100-x1, 180 s naming nvidia-h200, 15 s a refused call. So: check
 # `status` (free) for none_now before each try, name nvidia-h100-x1, space tries ~10 min.
-# Session 41 (H100, 2026-12-07, results/h100_20261207_s41) ran the last of issue 19's design as one lease, after
+# Session 41 (H100, 2026-12-07, results/paretoq_runs_h100_20261206_07/20261207_kl_158_1_split_seed1) ran the last of issue 19's design as one lease, after
 # four failed starts (~90 s each) and one refusal (15 s): the machine start took ~380 s of call 1 this time, then
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
@@ -84,9 +84,9 @@
 # reruns the C1 jobs as QAD. Then here, no GPU: each call's methods.tgz into one results folder (device paths
 # replaced by names, progress bars thinned, nothing overwritten; it prints the job folders D to merge):
 #   python benchmarks/gpu/unpack_results.py --dest benchmarks/results/<gpu>_<date>_s<N> call_a=<files_at>/methods.tgz ...
-#   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits
-#   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq
-#   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split
+#   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits_h100_20261207
+#   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206
+#   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split_h100_20261207
 # Each table names the widths / arms / seeds still missing. The GPU machine has no llama.cpp runtime, so the
 # arms train without an export there (gate column "not run"); every grid's export is gated on CPU.
 set -uo pipefail

@@ -22,7 +22,7 @@
 # Knobs: T_TOTAL (seconds for the whole `run`, default 560 on a GPU: the device call may run 600), ONLY (which
 # scripts, default all four), SEEDS (2), THREADS (CPU threads per script, 4), ARGS (extra arguments for every
 # script, e.g. "--steps 100"), WORK (/tmp/qf-papers), OUT ($PWD/gpu_out), DEVICE (cuda), SMOKE, SMOKE_MODEL,
-# PRIOR (a folder of an earlier call's <script>.json, e.g. benchmarks/results/h100_20261206/papers: each script
+# PRIOR (a folder of an earlier call's <script>.json, e.g. benchmarks/results/papers_h100_20261206/first_call: each script
 # with a JSON there keeps its finished rows and runs only the rest -- `--prior`, which refuses other settings).
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -3,15 +3,15 @@ quantizers (4/3-bit LSQ, 2-bit and ternary SEQ, sign), per-channel learned scale
 CE (QAT, as ParetoQ) and optionally KL (QAD), with the learning-transition diagnostics: relative
 latent-weight change and the fraction of weights whose quantization bin left its PTQ (init) bin.
 
-    python benchmarks/papers/paretoq_bits.py --out benchmarks/results/paretoq_bits            # GPU: SmolLM2-135M-Instruct
-    python benchmarks/papers/paretoq_bits.py --loss both --out benchmarks/results/paretoq_bits   # + the KL pass
+    python benchmarks/papers/paretoq_bits.py --out benchmarks/results/paretoq_bits_h100_20261207            # GPU: SmolLM2-135M-Instruct
+    python benchmarks/papers/paretoq_bits.py --loss both --out benchmarks/results/paretoq_bits_h100_20261207   # + the KL pass
     python benchmarks/papers/paretoq_bits.py --smoke --out /tmp/pq-bits                        # CPU, tiny random Llama
 
 One device call of 10 minutes holds one bit width (benchmarks/gpu/methods.sh: jobs paretoq_pilot, paretoq4,
 paretoq3, paretoq2, paretoq158, paretoq1): ``--bits 2 --lr-lo 2e-5 --no-teacher --rows-only --out D2`` writes
 only D2/paretoq_bits.json (its arms); ``--pilot-only`` runs the LR pilot alone. Then, anywhere (no GPU):
 
-    python benchmarks/papers/paretoq_bits.py --merge D4 D3 D2 ... --out benchmarks/results/paretoq_bits
+    python benchmarks/papers/paretoq_bits.py --merge D4 D3 D2 ... --out benchmarks/results/paretoq_bits_h100_20261207
 
 builds the table from every arm present and names the bit widths still missing.
 

@@ -3,7 +3,7 @@ our quantizers): relative weight error ||W_hat - W|| / ||W|| of every grid at Pa
 MSE-searched alpha (nn/lowbit.py ``mse``: 61 multiples 0.05..1.25 of the init, per row, on the grid the
 engine stores), averaged over the seven linears of a few layers. CPU, no training.
 
-    python benchmarks/papers/paretoq_init_error.py --out benchmarks/results/paretoq_init_error   # SmolLM2-135M
+    python benchmarks/papers/paretoq_init_error.py --out benchmarks/results/paretoq_init_error_cpu_20261201   # SmolLM2-135M
     python benchmarks/papers/paretoq_init_error.py --smoke --out /tmp/pq-init                   # random weights
 
 Writes ``paretoq_init_error.json`` and ``.md``.

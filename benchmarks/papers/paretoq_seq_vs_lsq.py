@@ -2,7 +2,7 @@
 LSQ {-2, -1, 0, 1} (the integer grid; its init is an MSE search per row, since the max/Qp rule with Qp = 1
 would leave the -2 level unused), same steps, LR and data, two seeds.
 
-    python benchmarks/papers/paretoq_seq_vs_lsq.py --out benchmarks/results/paretoq_seq_vs_lsq   # GPU: SmolLM2
+    python benchmarks/papers/paretoq_seq_vs_lsq.py --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206   # GPU: SmolLM2
     python benchmarks/papers/paretoq_seq_vs_lsq.py --smoke --out /tmp/pq-seq                    # CPU, measures nothing
 
 ParetoQ's claim: SEQ beats LSQ at 2 bits; at this budget the difference may be a few % of PPL, hence the seeds.
@@ -10,7 +10,7 @@ Writes ``paretoq_seq_vs_lsq.json``, ``.md`` and ``.png``.
 
 One device call per arm and seed (benchmarks/gpu/methods.sh jobs paretoq_seqlsq_seq0, _lsq0, _seq1, _lsq1):
 ``--arms seq --seed-list 0 --rows-only --out D`` writes D/paretoq_seq_vs_lsq.json only; then, anywhere,
-``--merge D1 D2 ... --out benchmarks/results/paretoq_seq_vs_lsq`` builds the table from every arm present.
+``--merge D1 D2 ... --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206`` builds the table from every arm present.
 """
 from __future__ import annotations
 

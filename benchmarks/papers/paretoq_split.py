@@ -6,7 +6,7 @@ switches on and a fresh cosine starts at the fine-tune LR. f = 0 is PTQ of the f
 PTQ: MSE-searched scales); f = 1 is QAT from scratch on the full-precision schedule. ParetoQ: the optimum is
 near f = 10 %; Apple's 2509.22935: ~10-15 % at this compute.
 
-    python benchmarks/papers/paretoq_split.py --out benchmarks/results/paretoq_split      # GPU
+    python benchmarks/papers/paretoq_split.py --out benchmarks/results/paretoq_split_h100_20261207      # GPU
     python benchmarks/papers/paretoq_split.py --smoke --out /tmp/pq-split                # CPU, measures nothing
 
 Design (paretoq.md C2): byte vocabulary (256 + BOS/EOS/PAD), 6 layers, d 384, 6 heads, FFN 1,024 (10.6M
@@ -18,7 +18,7 @@ Writes ``paretoq_split.json``, ``.md`` and ``.png``.
 
 One device call per bit width and seed (benchmarks/gpu/methods.sh jobs paretoq_split4s0, _split2s0,
 _split4s1, _split2s1): ``--bits 4 --seed-list 0 --rows-only --out D`` writes D/paretoq_split.json only; then,
-anywhere, ``--merge D1 D2 ... --out benchmarks/results/paretoq_split`` builds the table from every arm present.
+anywhere, ``--merge D1 D2 ... --out benchmarks/results/paretoq_split_h100_20261207`` builds the table from every arm present.
 """
 from __future__ import annotations
 
