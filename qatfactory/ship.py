@@ -25,6 +25,7 @@ from .exporters import export
 from .exporters import verify as gate
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
+from .train import runlock
 from .train.engine import run as train_run
 
 
@@ -163,6 +164,7 @@ def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
 def train_and_ship(cfg, eval_only: bool = False) -> Dict[str, Any]:
     """``qatfactory train`` as a function: train.run (the student), then ship it when cfg.export
     asks; the run summary with the export's entries (export_dir, verify, verify_ok)."""
-    summary = train_run(cfg, eval_only=eval_only)
-    summary.update(ship_student(summary.get("student"), summary.get("run_dir")))
+    with runlock.held():        # the run directory stays locked through the export written into it
+        summary = train_run(cfg, eval_only=eval_only)
+        summary.update(ship_student(summary.get("student"), summary.get("run_dir")))
     return summary

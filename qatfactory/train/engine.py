@@ -46,7 +46,7 @@ from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
 from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
-from . import ds_step, rundir
+from . import ds_step, rundir, runlock
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
@@ -365,9 +365,10 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
             raise ValueError(f"quant.kquant_refresh_every={cfg.quant.kquant_refresh_every}: method={cfg.method.name} "
                              f"runs a loop of its own, which does not keep k-quant scales between searches; "
                              f"allowed: 1 for this method")
-        return method.own_loop(cfg, eval_only)
+        with runlock.held():        # the run directory stays locked to this process until the run ends
+            return method.own_loop(cfg, eval_only)
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
-    with step_cache.enabled():
+    with runlock.held(), step_cache.enabled():
         return _run(cfg, method, eval_only)
 
 
