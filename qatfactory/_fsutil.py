@@ -118,8 +118,8 @@ def own_file(folder, name: str, what: str) -> Path:
     d = Path(folder)
     p = d / name
     if p.is_symlink():
-        raise UnsafeFileError(f"{p}: {what} is a symbolic link (to {os.readlink(p)}); a file a run reuses must be "
-                              f"a regular file of {d}. Refused, not followed")
+        raise UnsafeFileError(f"{p}: {what} is a symbolic link (to {os.readlink(p)}); what a run reuses must lie "
+                              f"in {d} itself. Refused, not followed")
     real, root = os.path.realpath(p), os.path.realpath(d)
     if os.path.dirname(real) != root:
         raise UnsafeFileError(f"{p}: {what} resolves to {real}, outside {d}; refused, not followed")

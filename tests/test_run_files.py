@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import save_file
 from test_train_safety import Q, _copy, _train, _tree, _with, done_run  # noqa: F401 (done_run: a fixture)
 
 from qatfactory._fsutil import RUN_LOCK
+from qatfactory.exitcodes import UnsafeFileError
+from qatfactory.train import reshard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +58,7 @@ def test_a_run_dir_in_use_is_refused_and_the_lock_dies_with_its_process(done_run
 
 
 def test_the_lock_is_held_during_the_run_and_a_refused_run_leaves_nothing(tmp_path, capsys, monkeypatch):
-    from qatfactory.train import engine, runlock
+    from qatfactory.train import engine, runlock  # noqa: PLC0415 (runlock's own module state is asserted)
     seen = {}
     real = engine.build_model
 
@@ -98,13 +104,14 @@ def test_a_checkpoint_file_replaced_by_a_link_is_refused_on_resume(done_run, tmp
     line = _one_line(out)
     assert rc == 4 and "state-00000.safetensors" in line and "symbolic link" in line
     assert _tree(d) == before
+    # the checkpoints folder itself moved elsewhere and linked back
+    d2 = _copy(done_run, tmp_path / "run2")
+    (d2 / "checkpoints").rename(tmp_path / "theirs")
+    (d2 / "checkpoints").symlink_to(tmp_path / "theirs")
+    rc, out = _train(capsys, *Q, f"run_dir={d2}", "resume=auto", "train.max_steps=5")
+    line = _one_line(out)
+    assert rc == 4 and "checkpoints" in line and "symbolic link" in line
     # the reader itself (a resume on another world size reads gathered/ through it) refuses a link too
-    import pytest
-    import torch
-    from safetensors.torch import save_file
-
-    from qatfactory.exitcodes import UnsafeFileError
-    from qatfactory.train import reshard
     save_file({"fp32/w": torch.zeros(3)}, str(outside))
     g2 = tmp_path / "gathered"
     g2.mkdir()
@@ -178,3 +185,12 @@ def test_a_teacher_cache_with_bad_meta_or_linked_shards_is_refused_in_one_line(t
     rc, out = _train(capsys, *CACHED, "method.topk=4", f"method.teacher_cache={cache}", f"run_dir={tmp_path / 's'}")
     line = _one_line(out)
     assert rc == 4 and str(shard) in line and "symbolic link" in line
+    shard.unlink()
+    outside.rename(shard)
+    # a run's own cache folder replaced by a link to a cache elsewhere
+    a2 = _copy(tmp_path / "a", tmp_path / "a2")
+    shutil.rmtree(a2 / "teacher_cache")
+    (a2 / "teacher_cache").symlink_to(cache)
+    rc, out = _train(capsys, *CACHED, "method.topk=4", f"run_dir={a2}", "resume=auto", "train.max_steps=2")
+    line = _one_line(out)
+    assert rc == 4 and str(a2 / "teacher_cache") in line and "symbolic link" in line

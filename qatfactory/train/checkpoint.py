@@ -195,6 +195,8 @@ def make_safe(engine) -> None:
 # ----------------------------------------------------------------------------- finding checkpoints
 def list_checkpoints(run_dir) -> list:
     d = Path(run_dir) / "checkpoints"
+    if d.is_symlink():      # a resume reads only the run's own checkpoints
+        _fsutil.own_file(run_dir, "checkpoints", "the run's checkpoints folder")
     if not d.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()

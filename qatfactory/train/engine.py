@@ -393,6 +393,11 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
     if kind == "live":
         return _Teacher(LiveTeacher(tmodel, tdtype, dev, zero3_config=zero3))
     cache_root = Path(m.teacher_cache or (run_dir / "teacher_cache"))
+    if not m.teacher_cache:
+        # the run's own cache folder: never a link to a cache somewhere else (a named one is the user's choice)
+        for folder, name in ((run_dir, "teacher_cache"), (cache_root, "train"), (cache_root, "eval")):
+            if (Path(folder) / name).exists() or (Path(folder) / name).is_symlink():
+                _fsutil.own_file(folder, name, "the run's teacher cache folder")
     # the teacher's identity (its weights, and the dtype it runs in) goes into the cache and is checked on
     # every reuse with the data's fingerprint, top-k, seq_len and the stored dtype (distill/teachers.py)
     tsha = hashlib.sha256(f"{weights_sha256(tmodel)}:{tdtype}".encode()).hexdigest()
