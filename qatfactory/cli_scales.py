@@ -6,9 +6,9 @@
     qatfactory scales verify  OUT --base BASE --scales FILE
 
 BASE is the native NVFP4/MXFP4 checkpoint the adapter trained on (model.path of the run); a scale file
-applies only onto the base it was trained on (its file records each tensor's code SHA-256 and per-tensor
-scale) and only with bytes its layout can hold inside the trust region it trained under (native.py). ``export`` writes the
-base's codes with the file's scale bytes for any engine through the exporters; ``apply`` copies the base
+applies only onto the base it was trained on (it records each tensor's code SHA-256 and per-tensor scale),
+and only with bytes its layout can hold, inside the trust region it trained under (native.py). ``export``
+writes the base's codes with the file's scale bytes for any engine through the exporters; ``apply`` copies the base
 and overwrites its scale bytes (every other tensor byte is the base's): the task swap. Rollback = apply
 the base's own scales (``extract``). Every written checkpoint goes through the parity gate and its
 code-plane hook (codes == the base's); one that does not PASS is moved to ``OUT.FAILED`` (FAILED.json

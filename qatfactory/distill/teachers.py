@@ -204,11 +204,12 @@ class CachedTeacher:
                 continue
             have = self.meta.get(f, 1.0 if f == "temperature" else "<absent: written before the field>")
             if have != want[f]:
-                what = {"fingerprint": "data (tokenized samples)", "teacher_sha256": "teacher weights"}.get(f, f)
+                what = {"fingerprint": "other data (the tokenized samples)", "teacher_sha256": "other teacher weights",
+                        "k": "another top-k (method.topk)", "seq_len": "another data.seq_len",
+                        "logprob_dtype": "another method.cache_dtype"}.get(f, f"another {f}")
                 raise TeacherCacheMismatchError(
-                    f"teacher cache {self.path} was written for another {what}: {f}={have!r} in {meta_p}, this run "
-                    f"needs {f}={want[f]!r}; delete the cache (it is recomputed) or point method.teacher_cache "
-                    f"elsewhere")
+                    f"teacher cache {self.path} was written for {what}: {f}={have!r} in {meta_p}, this run needs "
+                    f"{f}={want[f]!r}; delete the cache (it is recomputed) or point method.teacher_cache elsewhere")
         self._shards = []
         for name in self.meta["shards"]:
             # only shard files of this directory: a name from meta.json is never followed elsewhere
