@@ -51,8 +51,7 @@ TEACHER_CACHE_RECORD = "meta.json"
 TEACHER_CACHE_KEY = "qatfactory_teacher_cache"
 ASSET_RECORD = "qatfactory_provenance.json"
 ADAPTER_RECORD = "qatfactory_adapter.json"
-# the lock a running `qatfactory train` holds in its run directory (train/runlock.py); a directory that
-# holds only this file is still empty: a run that was refused or killed before writing leaves nothing else
+# the lock a running `qatfactory train` holds in its run directory (train/runlock.py)
 RUN_LOCK = ".qatfactory_run.lock"
 KINDS = ("export", "student", "run", "warmup", "teacher_cache", "asset", "adapter")
 
@@ -145,7 +144,7 @@ def kind_of(path) -> Optional[str]:
         return "missing"
     if not p.is_dir():
         return None
-    if not any(x.name != RUN_LOCK for x in p.iterdir()):
+    if not any(p.iterdir()):
         return "empty"
     if (p / EXPORT_RECORD).is_file() and not (p / EXPORT_RECORD).is_symlink() and \
             _has_json_key(p / EXPORT_RECORD, "qatfactory_export"):

@@ -55,6 +55,12 @@ def test_a_run_dir_in_use_is_refused_and_the_lock_dies_with_its_process(done_run
     rc, out = _train(capsys, *Q, f"run_dir={d}", "resume=auto", "train.max_steps=5")
     assert rc == 0, out[-2000:]
     assert not (d / RUN_LOCK).exists()
+    # a new run killed right after taking its lock left only the lock file: the folder is still empty to a run
+    e = tmp_path / "stale"
+    e.mkdir()
+    (e / RUN_LOCK).write_text("process 1 on elsewhere\n")
+    rc, out = _train(capsys, *Q, f"run_dir={e}", "train.max_steps=1")
+    assert rc == 0, out[-2000:]
 
 
 def test_the_lock_is_held_during_the_run_and_a_refused_run_leaves_nothing(tmp_path, capsys, monkeypatch):

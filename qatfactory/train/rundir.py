@@ -168,11 +168,20 @@ def _fresh_name(cfg: RunConfig) -> Path:
     return d
 
 
+def _kind(d: Path) -> Optional[str]:
+    """_fsutil.kind_of, where a directory holding nothing but the run lock is empty: the lock is taken
+    before the directory is checked, and a run killed right after taking it leaves only that file."""
+    k = _fsutil.kind_of(d)
+    if k is None and d.is_dir() and not d.is_symlink() and [x.name for x in d.iterdir()] == [_fsutil.RUN_LOCK]:
+        return "empty"
+    return k
+
+
 def _decide(cfg: RunConfig, world: int, eval_only: bool, d: Optional[Path] = None) -> Dict[str, Any]:
     """Rank 0: everything that is checked before anything is written."""
     if d is None:
         d = Path(cfg.run_dir) if cfg.run_dir is not None else _fresh_name(cfg)
-    kind = _fsutil.kind_of(d)
+    kind = _kind(d)
     if eval_only:
         resume_from = ckpt.find_resume(cfg.resume, d)
         ckpt.scan(resume_from)
@@ -278,7 +287,7 @@ def prepare(cfg: RunConfig, rank: int, world: int, eval_only: bool = False) -> T
             d = Path(cfg.run_dir) if cfg.run_dir is not None else _fresh_name(cfg)
             # a training run holds its directory from before the first check to its end (runlock.held in
             # engine.run); only a directory a run may use is locked (the lock file goes into it)
-            k = _fsutil.kind_of(d)
+            k = _kind(d)
             if not eval_only and (k in ("missing", "empty", "run") or (k is None and d.is_dir() and _legacy_run(d))):
                 runlock.acquire(d)
                 locked = d
