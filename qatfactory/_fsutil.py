@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
-from .exitcodes import BAD_INPUT, CorruptFileError
+from .exitcodes import BAD_INPUT, CorruptFileError, UnsafeFileError
 
 EXPORT_RECORD = "qatfactory.json"
 STUDENT_RECORD = "qatfactory_quant.json"
@@ -51,6 +51,8 @@ TEACHER_CACHE_RECORD = "meta.json"
 TEACHER_CACHE_KEY = "qatfactory_teacher_cache"
 ASSET_RECORD = "qatfactory_provenance.json"
 ADAPTER_RECORD = "qatfactory_adapter.json"
+# the lock a running `qatfactory train` holds in its run directory (train/runlock.py)
+RUN_LOCK = ".qatfactory_run.lock"
 KINDS = ("export", "student", "run", "warmup", "teacher_cache", "asset", "adapter")
 
 
@@ -74,6 +76,53 @@ def load_safetensors(path, device: str = "cpu"):
         raise CorruptFileError(f"{p}: not a readable safetensors file ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is truncated "
                                f"or damaged: write it again") from None
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (os.umask can only be read by setting it, which
+    would race with other threads creating files); 0o022 when the kernel does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def honour_umask(path, is_dir: bool) -> None:
+    """Give a directory made by mkdtemp (0700) or a file made by mkstemp (0600) the mode an ordinary
+    mkdir / open would have given it, so a server running as another user (or a teammate on shared
+    storage) can read what qatfactory writes whenever the user's umask lets it."""
+    os.chmod(path, (0o777 if is_dir else 0o666) & ~umask())
+
+
+def honour_umask_tree(root) -> None:
+    """honour_umask on ``root`` and everything under it (a writer's temporary files may come from
+    mkstemp too); an executable keeps its execute bits, links are left alone."""
+    um = umask()
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~um)
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            if not os.path.islink(p):
+                os.chmod(p, (0o777 if os.stat(p).st_mode & 0o111 else 0o666) & ~um)
+
+
+def own_file(folder, name: str, what: str) -> Path:
+    """``folder / name`` when it is a regular file of that folder: not a symbolic link and not resolving
+    anywhere else. A reused file (a checkpoint's gathered state, a teacher cache's shard) replaced by a
+    link to somebody else's file is refused, never followed (UnsafeFileError, exit code 4)."""
+    d = Path(folder)
+    p = d / name
+    if p.is_symlink():
+        raise UnsafeFileError(f"{p}: {what} is a symbolic link (to {os.readlink(p)}); what a run reuses must lie "
+                              f"in {d} itself. Refused, not followed")
+    real, root = os.path.realpath(p), os.path.realpath(d)
+    if os.path.dirname(real) != root:
+        raise UnsafeFileError(f"{p}: {what} resolves to {real}, outside {d}; refused, not followed")
+    return p
 
 
 def _has_json_key(p: Path, key: str) -> bool:
@@ -293,6 +342,7 @@ def atomic_dir(target, replace: bool = False, kinds: Sequence[str] = ("export",)
         k = check_replaceable(target, kinds, what, protect)
         if k != "missing" and not replace:
             raise NotOursError(f"{what}: {target} appeared while writing; not replacing it without force")
+        honour_umask_tree(tmp)          # mkdtemp made it 0700, mkstemp its files 0600
         swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -308,6 +358,7 @@ def write_text_atomic(path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        honour_umask(tmp, False)        # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from qatfactory import exitcodes as X
-from qatfactory._fsutil import check_replaceable
+from qatfactory._fsutil import NotOursError, check_replaceable, write_text_atomic
 
 
 def load_converted(student: str, source_dir: Optional[str] = None):
@@ -140,13 +140,45 @@ def _run(args) -> int:
         return 0
     if not os.path.isdir(args.export_dir):
         raise FileNotFoundError(f"export directory {args.export_dir!r} does not exist")
+    if args.json:       # refused before the gate runs: nothing is computed for a report that cannot be written
+        check_report_path(args.json, [args.export_dir, args.against, args.source_dir])
     cm = load_converted(args.against, args.source_dir)
     res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=not args.no_llama_cpp)
     _print_result(res, args.quiet)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res.to_dict(), f, indent=2)
+        check_report_path(args.json, [args.export_dir, args.against, args.source_dir])
+        write_text_atomic(args.json, json.dumps({REPORT_KEY: 1, **res.to_dict()}, indent=2) + "\n")
     return verdict_code(res)
+
+
+REPORT_KEY = "qatfactory_verify_report"     # marks a --json report as ours: only such a file is replaced
+
+
+def check_report_path(path, folders) -> None:
+    """Refuse a ``--json`` path that would replace anything but an earlier report of ours (a student's
+    record, a user's file, a link) or that lies inside the export or student it reports on (which would
+    change the folders the gate compares). Exit codes: 4 for a file in the way, 3 for a path inside."""
+    p = os.path.abspath(path)
+    for d in folders:
+        if d is not None and os.path.isdir(d):
+            root = os.path.realpath(d)
+            if os.path.commonpath([os.path.realpath(os.path.dirname(p)), root]) == root:
+                raise X.UsageError(f"--json {path}: inside {d}, a folder this report is about; a report is never "
+                                   f"written into the export or the student. Give a path outside them")
+    if os.path.islink(p) or (os.path.exists(p) and not os.path.isfile(p)):
+        raise NotOursError(f"--json {path}: a symbolic link or not a file; it is not replaced. Nothing was "
+                           f"changed: give another path")
+    if os.path.exists(p):
+        try:
+            with open(p) as f:
+                d = json.load(f)
+            ours = isinstance(d, dict) and REPORT_KEY in d
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            raise NotOursError(f"--json {path}: exists and is not a qatfactory verify report (no "
+                               f"{REPORT_KEY!r}); only an earlier report is replaced. Nothing was changed: remove "
+                               f"it yourself or give another path")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,11 +6,13 @@
     qatfactory scales verify  OUT --base BASE --scales FILE
 
 BASE is the native NVFP4/MXFP4 checkpoint the adapter trained on (model.path of the run); a scale file
-applies only onto the code plane it was trained on (its SHA-256 is in the file). ``export`` writes the
-base's codes with the file's scale bytes for any engine through the exporters; ``apply`` copies the base
+applies only onto the base it was trained on (it records each tensor's code SHA-256 and per-tensor scale),
+and only with bytes its layout can hold, inside the trust region it trained under (native.py). ``export``
+writes the base's codes with the file's scale bytes for any engine through the exporters; ``apply`` copies the base
 and overwrites its scale bytes (every other tensor byte is the base's): the task swap. Rollback = apply
 the base's own scales (``extract``). Every written checkpoint goes through the parity gate and its
-code-plane hook (codes == the base's); exit codes: 0 PASS, 1 FAIL, 2 INCOMPLETE, 3 USAGE, 4 BAD_INPUT.
+code-plane hook (codes == the base's); one that does not PASS is moved to ``OUT.FAILED`` (FAILED.json
+inside), like every failed export. Exit codes: 0 PASS, 1 FAIL, 2 INCOMPLETE, 3 USAGE, 4 BAD_INPUT.
 """
 from __future__ import annotations
 
@@ -52,12 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gate(out, ck, cm, args) -> int:
+def _gate(out, ck, cm, args, written: bool = False) -> int:
+    """The gate and its code-plane hook on ``out``. ``written``: this command wrote ``out``, so a verdict
+    other than PASS moves it to ``<out>.FAILED`` with FAILED.json, as every failed export is marked."""
     from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
     from qatfactory.exporters.verify.code_plane import check_code_plane  # noqa: PLC0415 (CLI start)
+    from qatfactory.ship import gate_summary, mark_failed  # noqa: PLC0415 (CLI start)
     res = verify(out, cm, logits=not getattr(args, "no_logits", False))
     check_code_plane(res, out, ck.path, cm)
     _print_result(res, getattr(args, "quiet", False))
+    if written and res.verdict != "PASS":
+        moved = mark_failed(out, gate_summary(res))
+        print(f"the parity gate said {res.verdict}: {out} was moved to {moved} (FAILED.json inside); do not serve it")
     return verdict_code(res)
 
 
@@ -77,12 +85,12 @@ def _run(args) -> int:
         check_replaceable(args.out, ("export",), "export", [args.base])
         r = export(cm, args.out, engine=args.engine, flavour=args.flavour, force=args.force)
         print(f"exported {r.engine}/{r.flavour} -> {r.path} (codes of {ck.path}, scales of {args.scales})")
-        return _gate(r.path, ck, cm, args)
+        return _gate(r.path, ck, cm, args, written=True)
     if args.cmd == "apply":
         r = N.write_patched(args.base, args.scales, args.out, force=args.force)
         print(f"applied {args.scales} onto {ck.path} -> {args.out}: {r['scale_bytes_changed']} scale bytes changed, "
               f"code plane {r['code_plane_sha256'][:16]}... kept")
-        return _gate(args.out, ck, cm, args)
+        return _gate(args.out, ck, cm, args, written=True)
     return _gate(args.export_dir, ck, cm, args)
 
 

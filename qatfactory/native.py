@@ -51,6 +51,7 @@ from .nn.scale_adapter import modules as adapter_modules
 
 INDEX = "model.safetensors.index.json"
 SCALE_FILE_KIND = "qatfactory_scales"
+SCALE_FILE_VERSION = "2"        # 2: per-tensor fingerprint of the base (codes, per-tensor scale) and trust region
 _SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
                  "chat_template.json")
@@ -567,33 +568,158 @@ def _write_scale_file(tensors: Dict[str, torch.Tensor], meta: Dict[str, str], pa
             tmp.unlink()
 
 
-def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = "") -> Dict[str, Any]:
-    """The trained scale bytes of every adapted linear (HF names, HF row order) with the code plane they
-    belong to; written atomically. Returns its metadata."""
+def _gbits(g: Optional[torch.Tensor]) -> Optional[str]:
+    """A per-tensor scale as its float32 bits (hex), exact where a decimal print would round."""
+    return None if g is None else f"0x{int(g.detach().reshape(()).float().view(torch.int32)) & 0xFFFFFFFF:08x}"
+
+
+def _bits_value(b: Optional[str]) -> str:
+    if not isinstance(b, str):
+        return "none"
+    return f"{float(np.array([int(b, 16)], dtype=np.uint32).view(np.float32)[0])!r} ({b})"
+
+
+def _tensor_sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def base_fingerprint(ck: NativeCheckpoint) -> Dict[str, str]:
+    """What a scale file records of the base it was trained on: per 4-bit tensor the SHA-256 of its codes
+    and of its block-scale bytes and the bits of its per-tensor scale (the value every block scale is
+    multiplied by: the same scale bytes over another per-tensor scale are other weights)."""
+    per = {n: {"codes_sha256": _tensor_sha(p.codes), "scales_sha256": _tensor_sha(p.scales),
+               "global_scale": _gbits(p.global_scale)} for n, p in sorted(ck.packed.items())}
+    g = hashlib.sha256(json.dumps({n: v["global_scale"] for n, v in per.items()}, sort_keys=True).encode())
+    return {"base_code_plane_sha256": ck.code_plane_sha256(),
+            "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
+            "base_global_scales_sha256": g.hexdigest(), "base_tensors": json.dumps(per, sort_keys=True)}
+
+
+def save_scale_file(model: nn.Module, ck: NativeCheckpoint, path, task: str = "",
+                    max_changed: float = 1.0) -> Dict[str, Any]:
+    """The trained scale bytes of every adapted linear (HF names, HF row order) with what they were trained
+    on (:func:`base_fingerprint`) and the trust region they were trained under: ``max_changed`` (the most
+    trained blocks whose byte may differ from the base's, nn.scale_adapter.limit_changed; 1 = no limit) and
+    which tensors trained at all. Written atomically. Returns its metadata."""
     mods = adapter_modules(model)
     tensors = {name: mods[name[: -len(".weight")]].scale_bytes().cpu().contiguous() for name in sorted(ck.packed)}
     fmts = sorted({mods[n[: -len(".weight")]].fmt_name for n in ck.packed})
-    meta = {"kind": SCALE_FILE_KIND, "version": "1", "format": ",".join(fmts), "layout": ck.layout,
-            "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
-            "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
-            "task": task, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    trained = sorted(n for n in ck.packed if any(q.requires_grad for q in mods[n[: -len(".weight")]].trainable()))
+    meta = {"kind": SCALE_FILE_KIND, "version": SCALE_FILE_VERSION, "format": ",".join(fmts), "layout": ck.layout,
+            "base_container": ck.container, **base_fingerprint(ck), "max_changed": repr(float(max_changed)),
+            "trained": json.dumps(trained), "task": task,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_scale_file(tensors, meta, path)
     return meta
 
 
 def base_scale_file(ck: NativeCheckpoint, path) -> Dict[str, Any]:
     """The base's own scale bytes as a scale file: applying it is the rollback."""
-    meta = {"kind": SCALE_FILE_KIND, "version": "1", "format": ck.base_format, "layout": ck.layout,
-            "base_container": ck.container, "base_code_plane_sha256": ck.code_plane_sha256(),
-            "base_scales_sha256": code_plane_sha256({n: p.scales for n, p in ck.packed.items()}),
+    meta = {"kind": SCALE_FILE_KIND, "version": SCALE_FILE_VERSION, "format": ck.base_format, "layout": ck.layout,
+            "base_container": ck.container, **base_fingerprint(ck), "max_changed": "0.0", "trained": "[]",
             "task": "base (rollback)", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_scale_file({n: p.scales.contiguous() for n, p in sorted(ck.packed.items())}, meta, path)
     return meta
 
 
+# the scale bytes each layout's block-scale grid can hold; anything else is refused in a scale file
+def _bad_bytes(layout: str, b: torch.Tensor):
+    """(sign bit set, NaN, what is allowed) for the scale bytes ``b`` of ``layout``. E4M3 (and ggml's UE4M3):
+    bit 7 is the sign, and a negative block scale negates the whole block (ggml drops the bit, so the same
+    file would mean other weights in another engine); 0x7F / 0xFF are NaN. E8M0: 0xFF is NaN."""
+    if layout == "nvfp4":
+        return (b >= 0x80, (b & 0x7F) == 0x7F, "NVFP4 block scales are non-negative E4M3 bytes 0x00-0x7E (bit 7 "
+                                               "negates the block, 0x7F/0xFF are NaN)")
+    return torch.zeros_like(b, dtype=torch.bool), b == 0xFF, "MXFP4 block scales are E8M0 bytes 0x00-0xFE (0xFF is NaN)"
+
+
+def _check_bytes(p: Path, tensors: Dict[str, torch.Tensor], layout: str) -> None:
+    for k, t in sorted(tensors.items()):
+        sign, nan, allowed = _bad_bytes(layout, t)
+        for what, bad in (("is NaN", nan), ("has its sign bit set", sign)):
+            if bool(bad.any()):
+                r, c = (int(x) for x in bad.nonzero()[0])
+                raise CorruptFileError(f"{p}: {k}: scale byte 0x{int(t[r, c]):02X} at [{r}, {c}] {what} "
+                                       f"({int(bad.sum())} such bytes); {allowed}. Refused, nothing written")
+
+
+def _base_record(p: Path, meta: Dict[str, str], ck: NativeCheckpoint):
+    """(per-tensor record, trained names, max_changed) of a scale file's metadata; refused when missing
+    (an older file) or malformed."""
+    if meta.get("version") != SCALE_FILE_VERSION or "base_tensors" not in meta:
+        raise CodePlaneError(f"{p}: scale file version {meta.get('version')!r} records no per-tensor fingerprint "
+                             f"of its base (codes and per-tensor scales), so it cannot be checked against "
+                             f"{ck.path}; write it again with this qatfactory (train, or scales extract)")
+    try:
+        rec = json.loads(meta["base_tensors"])
+        trained = json.loads(meta.get("trained", ""))
+        max_changed = float(meta.get("max_changed", ""))
+        ok = isinstance(rec, dict) and all(isinstance(v, dict) for v in rec.values()) and \
+            isinstance(trained, list) and all(isinstance(x, str) for x in trained) and 0.0 <= max_changed <= 1.0
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise CorruptFileError(f"{p}: metadata base_tensors / trained / max_changed is not what save_scale_file "
+                               f"writes; allowed: a JSON object by tensor, a JSON list of names, a fraction 0..1")
+    return rec, set(trained), max_changed
+
+
+def _check_base(p: Path, meta: Dict[str, str], tensors: Dict[str, torch.Tensor], ck: NativeCheckpoint) -> None:
+    """The file was trained on this base: every tensor's codes and per-tensor scale are the ones it recorded,
+    and its bytes lie inside the trust region it was trained under: at most ``max_changed`` of the trained
+    blocks off the base's bytes (nn.scale_adapter.limit_changed), none of an untrained tensor, none of a
+    block whose base byte the encoder never moves (zero, NaN, negative)."""
+    rec, trained, max_changed = _base_record(p, meta, ck)
+    if set(rec) != set(ck.packed) or set(tensors) != set(ck.packed):
+        raise CodePlaneError(f"{p}: its 4-bit tensors differ from the base {ck.path}'s "
+                             f"({sorted((set(rec) | set(tensors)) ^ set(ck.packed))[:4]}); another checkpoint")
+    for n, pk in sorted(ck.packed.items()):
+        r = rec[n]
+        if r.get("codes_sha256") != _tensor_sha(pk.codes):
+            raise CodePlaneError(f"{p}: {n}: trained on codes {str(r.get('codes_sha256'))[:16]}..., the base "
+                                 f"{ck.path} holds {_tensor_sha(pk.codes)[:16]}...: another code plane; a scale file "
+                                 f"applies only onto the codes it was trained on")
+        if r.get("global_scale") != _gbits(pk.global_scale):
+            raise CodePlaneError(f"{p}: {n}: trained over the per-tensor scale {_bits_value(r.get('global_scale'))}, "
+                                 f"the base {ck.path} has {_bits_value(_gbits(pk.global_scale))}: the same scale "
+                                 f"bytes would mean other weights; apply it onto the base it was trained on")
+        if tuple(tensors[n].shape) != tuple(pk.scales.shape):
+            raise CorruptFileError(f"{p}: {n} has shape {tuple(tensors[n].shape)}, the base {tuple(pk.scales.shape)}")
+    # against the block-scale bytes it was trained from: the base's when it still holds them; a tensor the
+    # file keeps at exactly those recorded bytes (a rollback file applied onto a task's export) moved nothing
+    changed = total = 0
+    for n, pk in sorted(ck.packed.items()):
+        t = tensors[n]
+        if _tensor_sha(pk.scales) == rec[n].get("scales_sha256"):
+            diff = t != pk.scales
+        elif _tensor_sha(t) == rec[n].get("scales_sha256"):
+            diff = torch.zeros_like(t, dtype=torch.bool)
+        else:
+            raise CodePlaneError(f"{p}: {n}: the base {ck.path} does not hold the block scales this file was trained "
+                                 f"from ({str(rec[n].get('scales_sha256'))[:16]}...), so its trust region cannot be "
+                                 f"checked; apply it onto the base it was trained on")
+        if n not in trained:
+            if bool(diff.any()):
+                raise CorruptFileError(f"{p}: {n}: {int(diff.sum())} scale bytes differ from the base's, but this "
+                                       f"tensor did not train (method.scale.targets); refused, nothing written")
+            continue
+        sign, nan, _ = _bad_bytes(ck.layout, pk.scales)
+        if bool((diff & ((pk.scales == 0) | sign | nan)).any()):
+            raise CorruptFileError(f"{p}: {n}: moves a block whose base scale byte is zero, negative or NaN, which "
+                                   f"the scale encoder never moves; refused, nothing written")
+        changed += int(diff.sum())
+        total += t.numel()
+    allowed = int(max_changed * total)
+    if changed > allowed:
+        raise CorruptFileError(f"{p}: {changed} of the {total} trained blocks differ from the base's scale bytes; "
+                               f"the trust region it was trained under allows {allowed} (max_changed={max_changed}, "
+                               f"nn.scale_adapter.limit_changed); refused, nothing written")
+
+
 def load_scale_file(path, ck: Optional[NativeCheckpoint] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """(HF weight name -> uint8 scale bytes, metadata); with ``ck``: refused unless it was made for that code
-    plane and every tensor has the base's shape."""
+    """(HF weight name -> uint8 scale bytes, metadata). Bytes the layout's scale grid cannot hold (a sign
+    bit, NaN) are refused; with ``ck``: refused unless it was trained on that base (every tensor's codes and
+    per-tensor scale, :func:`_check_base`) and its bytes lie in the trust region it was trained under."""
     p = Path(path)
     if not p.is_file() or p.is_symlink():
         raise FileNotFoundError(f"scale file {str(path)!r} does not exist (or is a symbolic link)")
@@ -608,18 +734,23 @@ def load_scale_file(path, ck: Optional[NativeCheckpoint] = None) -> Tuple[Dict[s
     bad = [k for k, t in tensors.items() if t.dtype != torch.uint8 or t.ndim != 2]
     if bad:
         raise CorruptFileError(f"{p}: {bad[:3]} are not 2-D uint8 scale bytes")
+    if meta.get("layout") not in ("nvfp4", "mxfp4"):
+        raise CorruptFileError(f"{p}: metadata layout={meta.get('layout')!r}; allowed: 'nvfp4', 'mxfp4'")
+    if ck is not None and meta["layout"] != ck.layout:
+        raise CodePlaneError(f"{p}: made for the code plane of an {meta['layout']} base; {ck.path} is {ck.layout}: "
+                             f"another checkpoint")
+    _check_bytes(p, tensors, meta["layout"])
     if ck is not None:
         sha = ck.code_plane_sha256()
-        if meta.get("base_code_plane_sha256") != sha:
+        if meta.get("base_code_plane_sha256") != sha and "base_tensors" not in meta:
             raise CodePlaneError(f"{p}: made for code plane {str(meta.get('base_code_plane_sha256'))[:16]}..., the base "
                                  f"{ck.path} has {sha[:16]}...: its codes changed or it is another checkpoint; a scale "
                                  f"file applies only onto the code plane it was trained on")
-        if set(tensors) != set(ck.packed):
-            raise CodePlaneError(f"{p}: names differ from the base's 4-bit tensors "
-                                 f"({sorted(set(tensors) ^ set(ck.packed))[:4]})")
-        for k, t in tensors.items():
-            if tuple(t.shape) != tuple(ck.packed[k].scales.shape):
-                raise CorruptFileError(f"{p}: {k} has shape {tuple(t.shape)}, the base {tuple(ck.packed[k].scales.shape)}")
+        _check_base(p, meta, tensors, ck)
+        if meta.get("base_code_plane_sha256") != sha:
+            raise CodePlaneError(f"{p}: made for code plane {str(meta.get('base_code_plane_sha256'))[:16]}..., the base "
+                                 f"{ck.path} has {sha[:16]}...; a scale file applies only onto the code plane it was "
+                                 f"trained on")
     return tensors, meta
 
 

@@ -12,6 +12,8 @@ reasons), so nothing serves it by its usual path; an earlier ``.FAILED`` of ours
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -23,6 +25,7 @@ from .exporters import export
 from .exporters import verify as gate
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
+from .train import runlock
 from .train.engine import run as train_run
 
 
@@ -102,14 +105,25 @@ def gate_summary(res) -> Dict[str, Any]:
 
 def mark_failed(edir: Path, gate_: Dict[str, Any]) -> Path:
     """Move a failed export out of the way: ``<dir>.FAILED`` with FAILED.json (verdict, reasons)
-    inside, so nothing serves it by its usual path; an earlier ``.FAILED`` of ours is replaced."""
+    inside, so nothing serves it by its usual path; an earlier ``.FAILED`` of ours is replaced. When
+    ``<dir>.FAILED`` is somebody else's (or a link, or a file), a fresh ``<dir>.FAILED-XXXXXXXX`` beside it
+    takes the export instead: a failed export is never left where a server would load it, and nothing
+    that is not ours is replaced."""
     edir = Path(edir)
     failed = edir.with_name(edir.name + ".FAILED")
     _fsutil.write_text_atomic(edir / "FAILED.json", json.dumps(
         {"verdict": gate_["verdict"], "reasons": gate_["reasons"], "exported_as": str(edir),
          "what": "the parity gate did not PASS on this export; do not serve it (see README, reliability)"},
         indent=1))
-    _fsutil.check_replaceable(failed, ("export",), "export.out_dir")
+    try:
+        _fsutil.check_replaceable(failed, ("export",), "export.out_dir")
+    except _fsutil.NotOursError:
+        # an empty directory of a unique name, made atomically; renaming a directory onto an empty one
+        # replaces it in one step
+        fresh = Path(tempfile.mkdtemp(prefix=edir.name + ".FAILED-", dir=edir.parent))
+        os.rename(edir, fresh)
+        _fsutil.fsync_dir(edir.parent)
+        return fresh
     _fsutil.swap_in(edir, failed)
     return failed
 
@@ -150,6 +164,7 @@ def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
 def train_and_ship(cfg, eval_only: bool = False) -> Dict[str, Any]:
     """``qatfactory train`` as a function: train.run (the student), then ship it when cfg.export
     asks; the run summary with the export's entries (export_dir, verify, verify_ok)."""
-    summary = train_run(cfg, eval_only=eval_only)
-    summary.update(ship_student(summary.get("student"), summary.get("run_dir")))
+    with runlock.held():        # the run directory stays locked through the export written into it
+        summary = train_run(cfg, eval_only=eval_only)
+        summary.update(ship_student(summary.get("student"), summary.get("run_dir")))
     return summary

@@ -116,3 +116,75 @@ def test_export_verify_moves_a_failing_export_aside(student_dir, tmp_path, capsy
     assert not out.exists()
     rec = json.loads((tmp_path / "vllm.FAILED" / "FAILED.json").read_text())
     assert rec["verdict"] == "FAIL" and any("o_proj" in r for r in rec["reasons"])
+
+
+def test_export_verify_with_a_foreign_failed_dir_still_moves_the_export_aside(student_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """OUT.FAILED exists and is somebody else's: the failing export still leaves OUT (to a fresh
+    OUT.FAILED-XXXXXXXX with FAILED.json), the verdict table is printed, and the foreign folder is untouched."""
+    import qatfactory.exporters.vllm as V
+    real = V.save_sharded
+
+    def tampered(tensors, out, **kw):
+        k = next(n for n in sorted(tensors) if n.endswith("o_proj.weight"))
+        t = tensors[k].clone()
+        t.view(torch.uint8).reshape(-1)[0] ^= 0x11
+        return real({**tensors, k: t}, out, **kw)
+    monkeypatch.setattr(V, "save_sharded", tampered)
+    out = tmp_path / "vllm"
+    theirs = tmp_path / "vllm.FAILED"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    assert main(["export", str(student_dir), "--engine", "vllm", "--out", str(out), "--verify"]) == FAIL
+    text = capsys.readouterr().out
+    assert "verdict: FAIL" in text and "o_proj" in text
+    assert not out.exists()
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("vllm.FAILED-")]
+    assert len(moved) == 1 and str(moved[0]) in text
+    assert json.loads((moved[0] / "FAILED.json").read_text())["verdict"] == "FAIL"
+
+
+def test_verify_json_never_replaces_a_file_that_is_not_a_report(student_dir, tmp_path, capsys):
+    out = tmp_path / "vllm"
+    assert main(["export", str(student_dir), "--engine", "vllm", "--out", str(out)]) == 0
+    record = student_dir / "qatfactory_quant.json"
+    before = record.read_bytes()
+    listing = sorted(p.name for p in student_dir.iterdir())
+    capsys.readouterr()
+    # the student's own record, and any new file inside the student or the export: refused, one line
+    for path, code in ((record, USAGE), (student_dir / "report.json", USAGE), (out / "report.json", USAGE)):
+        assert main(["verify", str(out), "--against", str(student_dir), "--json", str(path)]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--json" in err[0]
+    assert record.read_bytes() == before and sorted(p.name for p in student_dir.iterdir()) == listing
+    assert not (out / "report.json").exists()
+    # a user's file elsewhere: BAD_INPUT, unchanged
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"a": 1}')
+    assert main(["verify", str(out), "--against", str(student_dir), "--json", str(mine)]) == BAD_INPUT
+    assert "not a qatfactory verify report" in capsys.readouterr().err and mine.read_text() == '{"a": 1}'
+    # a report of ours is replaced
+    rep = tmp_path / "report.json"
+    assert main(["verify", str(out), "--against", str(student_dir), "--json", str(rep), "--quiet"]) == 0
+    assert main(["verify", str(out), "--against", str(student_dir), "--json", str(rep), "--quiet"]) == 0
+    assert json.loads(rep.read_text())["verdict"] == "PASS"
+
+
+def test_export_folders_and_files_honour_the_umask(student_dir, tmp_path):
+    """A server running as another user reads an export when the umask allows it: folder 0777 & ~umask,
+    files 0666 & ~umask (not mkdtemp's 0700 / mkstemp's 0600)."""
+    import os
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "vllm"
+        assert main(["export", str(student_dir), "--engine", "vllm", "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes
+    # the student folder (save_student, the same atomic write) under the umask the fixture ran with
+    from qatfactory._fsutil import umask
+    assert student_dir.stat().st_mode & 0o777 == 0o777 & ~umask()
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask() for p in student_dir.iterdir() if p.is_file())

@@ -249,3 +249,137 @@ def test_scales_extract_never_overwrites_a_file_that_is_not_a_scale_file(bases, 
     first = f.read_bytes()
     assert main(["scales", "extract", str(bases["ct_mxfp4"]), "--out", str(f)]) == 0
     assert N.load_scale_file(f)[1]["kind"] == "qatfactory_scales" and len(f.read_bytes()) == len(first)
+
+
+def _rewrite(f, out, change):
+    """A copy of scale file ``f`` at ``out`` with ``change(tensors)`` applied and the same metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(f), "pt") as g:
+        meta, t = g.metadata(), {k: g.get_tensor(k).clone() for k in g.keys()}
+    change(t)
+    save_file(t, str(out), metadata=meta)
+    return out
+
+
+def _apply(capsys, base, f, out):
+    from qatfactory.cli import main
+    capsys.readouterr()
+    rc = main(["scales", "apply", "--base", str(base), "--scales", str(f), "--out", str(out), "--quiet"])
+    c = capsys.readouterr()
+    return rc, c.out, c.err.strip().splitlines()
+
+
+def _trained_file(ck, path, sigma, **kw):
+    model = N.build_model(ck, targets=kw.pop("targets", ("*",)))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for m in N.adapter_modules(model).values():
+            if m.theta.requires_grad:
+                m.theta.normal_(0, sigma)
+    N.save_scale_file(model, ck, path, **kw)
+    return path
+
+
+def test_scale_file_refuses_bytes_its_layout_cannot_hold(bases, tmp_path, capsys):
+    """Every E4M3 sign bit set (every block negated), one NaN byte (E4M3 0x7F / 0xFF, E8M0 0xFF): refused in one
+    line naming the tensor, nothing written (no output, no .FAILED)."""
+    for base, flips in (("ct_nvfp4", ((lambda t: t | 0x80, "sign bit"), (lambda t: t.fill_(0x7F), "NaN"),
+                                      (lambda t: t.fill_(0xFF), "NaN"))),
+                        ("ct_mxfp4", ((lambda t: t.fill_(0xFF), "NaN"),))):
+        for i, (flip, what) in enumerate(flips):
+            ck = N.read_native(bases[base])
+            f = _trained_file(ck, tmp_path / f"{base}.scales.safetensors", 0.3)
+            name = sorted(ck.packed)[1]
+
+            def change(t):
+                if what == "sign bit":
+                    for k in t:
+                        t[k] = flip(t[k])
+                else:
+                    flip(t[name][0:1, 0:1])
+            bad = _rewrite(f, tmp_path / f"bad-{base}-{i}.safetensors", change)
+            out = tmp_path / f"out-{base}-{i}"
+            rc, _, err = _apply(capsys, bases[base], bad, out)
+            assert rc == BAD_INPUT and len(err) == 1 and what in err[0] and ".weight: scale byte 0x" in err[0], err
+            assert not out.exists() and not out.with_name(out.name + ".FAILED").exists()
+            with pytest.raises(BadInputError, match=what):
+                N.load_scale_file(bad)                        # also without a base (the in-memory swap)
+
+
+def test_scale_file_applies_only_onto_the_base_it_was_trained_on(bases, tmp_path, capsys):
+    """Same E2M1 codes, another per-tensor scale: the file's bytes would mean other weights. Refused naming
+    the tensor and both scales; so is a file without the fingerprint (an older version)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    ck = N.read_native(bases["ct_nvfp4"])
+    f = _trained_file(ck, tmp_path / "t.scales.safetensors", 0.3)
+    other = tmp_path / "other-base"
+    shutil.copytree(bases["ct_nvfp4"], other)
+    key = "model.layers.0.self_attn.o_proj.weight_global_scale"
+    with safe_open(str(other / "model.safetensors"), "pt") as g:
+        meta, sd = g.metadata(), {k: g.get_tensor(k) for k in g.keys()}
+    sd[key] = sd[key] * 2
+    save_file(sd, str(other / "model.safetensors"), metadata=meta)
+    ck2 = N.read_native(other)
+    assert ck2.code_plane_sha256() == ck.code_plane_sha256()         # the codes are the same
+    rc, _, err = _apply(capsys, other, f, tmp_path / "o")
+    assert rc == BAD_INPUT and len(err) == 1 and "model.layers.0.self_attn.o_proj.weight" in err[0] \
+        and "per-tensor scale" in err[0], err
+    assert not (tmp_path / "o").exists()
+    # another code in one tensor: named too
+    ck3 = N.read_native(bases["ct_nvfp4"])
+    ck3.packed[key[: -len("_global_scale")]].codes[0, 0] ^= 0x11
+    with pytest.raises(N.CodePlaneError, match="o_proj.weight: trained on codes"):
+        N.load_scale_file(f, ck3)
+    # a file of the first version (no per-tensor fingerprint): refused, it cannot be checked
+    v1 = _rewrite(f, tmp_path / "v1.safetensors", lambda t: None)
+    with safe_open(str(v1), "pt") as g:
+        meta, t = g.metadata(), {k: g.get_tensor(k) for k in g.keys()}
+    meta = {k: v for k, v in meta.items() if k not in ("base_tensors", "trained", "max_changed")} | {"version": "1"}
+    save_file(t, str(v1), metadata=meta)
+    with pytest.raises(N.CodePlaneError, match="per-tensor fingerprint"):
+        N.load_scale_file(v1, ck)
+
+
+def test_scale_file_bytes_must_lie_in_the_trust_region_it_trained_under(bases, tmp_path):
+    ck = N.read_native(bases["ct_nvfp4"])
+    # trained under max_changed=1 %, but most bytes differ from the base: refused (the count named)
+    f = _trained_file(ck, tmp_path / "wide.safetensors", 0.3, max_changed=0.01)
+    with pytest.raises(BadInputError, match=r"trained blocks differ .* allows \d+ \(max_changed=0.01"):
+        N.load_scale_file(f, ck)
+    # the same within its region: accepted (one changed byte)
+    ok = _rewrite(_trained_file(ck, tmp_path / "zero.safetensors", 0.0, max_changed=0.01),
+                  tmp_path / "one.safetensors", lambda t: t[sorted(t)[0]][0:1, 0:1].add_(1))
+    N.load_scale_file(ok, ck)
+    # a tensor that did not train (method.scale.targets) moved: refused naming it
+    f = _trained_file(ck, tmp_path / "q.safetensors", 0.3, targets=("*.q_proj",))
+    N.load_scale_file(f, ck)
+    moved = _rewrite(f, tmp_path / "k.safetensors",
+                     lambda t: t["model.layers.0.self_attn.k_proj.weight"][0:1, 0:1].add_(1))
+    with pytest.raises(BadInputError, match="k_proj.weight: 1 scale bytes differ .* did not train"):
+        N.load_scale_file(moved, ck)
+
+
+def test_a_failed_scales_apply_is_marked_like_every_failed_export(bases, tmp_path, capsys, monkeypatch):
+    """The gate does not PASS on what apply wrote (here one code byte flipped on its way to disk): the output
+    leaves OUT for OUT.FAILED with FAILED.json, exit 1."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    ck = N.read_native(bases["ct_nvfp4"])
+    f = _trained_file(ck, tmp_path / "t.scales.safetensors", 0.3)
+    real = N._patch_safetensors
+
+    def flipped(ck, tensors, tmp):
+        real(ck, tensors, tmp)
+        with safe_open(str(tmp / "model.safetensors"), "pt") as g:
+            meta, sd = g.metadata(), {k: g.get_tensor(k) for k in g.keys()}
+        k = next(k for k in sorted(sd) if k.endswith("o_proj.weight_packed"))
+        sd[k][0, 0] ^= 0x11
+        save_file(sd, str(tmp / "model.safetensors"), metadata=meta)
+    monkeypatch.setattr(N, "_patch_safetensors", flipped)
+    out = tmp_path / "task"
+    rc, text, _ = _apply(capsys, bases["ct_nvfp4"], f, out)
+    assert rc == 1 and "verdict: FAIL" in text and str(tmp_path / "task.FAILED") in text
+    assert not out.exists()
+    assert json.loads((tmp_path / "task.FAILED" / "FAILED.json").read_text())["verdict"] == "FAIL"

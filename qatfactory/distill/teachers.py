@@ -12,23 +12,29 @@ never loaded; :mod:`qatfactory.distill.losses` documents how the loss renormalis
 Cache layout (a directory, written to a temp dir and renamed, so a crash leaves no half cache)::
 
     meta.json                   {"k", "seq_len", "n_samples", "vocab", "fingerprint", "shards": [...],
-                                 "logprob_dtype", "teacher"}
+                                 "logprob_dtype", "teacher", "teacher_sha256", "temperature"}
+
+A cache is reused only when it was written for this run's teacher (``teacher_sha256``: the weights),
+data (``fingerprint``: the tokenized samples), ``k``, ``seq_len`` and ``logprob_dtype``; its files must be
+regular files of its own directory (never a link to somebody else's).
     shard-00000.safetensors     logprobs [n, seq_len, k] (float32 or bfloat16), indices [n, seq_len, k]
                                 int32, sample_ids [n] int64 (consecutive)
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .._fsutil import TEACHER_CACHE_KEY, atomic_dir, load_safetensors
+from .._fsutil import TEACHER_CACHE_KEY, atomic_dir, load_safetensors, own_file
+from ..exitcodes import BadInputError, CorruptFileError
 from .losses import LiveTeacherOut, TopKTeacherOut
 
 
@@ -119,30 +125,99 @@ class LiveTeacher:
             yield LiveTeacherOut(h, w.detach())
 
 
-class CachedTeacher:
-    """Reads a top-k cache; ``get(sample_ids)`` gives the TopKTeacherOut of those samples."""
+def weights_sha256(model: nn.Module) -> str:
+    """SHA-256 over a model's state (name, dtype, shape and bytes of every tensor, in name order): the
+    teacher's identity a top-k cache records, so a cache is never reused for another teacher (another model,
+    other weights, another seed of a random one, another dtype)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach()
+        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
-    def __init__(self, path: str, expect_fingerprint: Optional[str] = None, seq_len: Optional[int] = None):
+
+# meta.json fields, what each must hold (the reader refuses anything else, naming the field)
+_INT_FIELDS = {"k": 1, "seq_len": 1, "n_samples": 0, "vocab": 1}
+_STR_FIELDS = ("fingerprint", "teacher_sha256", "teacher")
+LOGPROB_DTYPES = ("float32", "bfloat16")
+# what a run compares with its own settings before it reuses a cache
+IDENTITY_FIELDS = ("teacher_sha256", "fingerprint", "k", "seq_len", "logprob_dtype", "temperature")
+
+
+class TeacherCacheMismatchError(BadInputError):
+    """A cache written for another teacher, other data or other settings than this run's."""
+
+
+def _check_meta(meta, meta_p: Path) -> None:
+    """One line naming the file, the field and what is allowed for a meta.json a library would trip over."""
+    if not isinstance(meta, dict):
+        raise CorruptFileError(f"{meta_p}: holds a {type(meta).__name__}; allowed: a JSON object (a qatfactory "
+                               f"teacher cache's meta.json)")
+    for f, lo in _INT_FIELDS.items():
+        v = meta.get(f)
+        if (f in meta or f != "vocab") and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            raise CorruptFileError(f"{meta_p}: field {f!r} is {v!r}; allowed: an int >= {lo}")
+    for f in _STR_FIELDS:
+        if (f in meta or f == "fingerprint") and not isinstance(meta.get(f), str):
+            raise CorruptFileError(f"{meta_p}: field {f!r} is {meta.get(f)!r}; allowed: a string")
+    if "logprob_dtype" in meta and meta["logprob_dtype"] not in LOGPROB_DTYPES:
+        raise CorruptFileError(f"{meta_p}: field 'logprob_dtype' is {meta['logprob_dtype']!r}; allowed: "
+                               f"{list(LOGPROB_DTYPES)}")
+    t = meta.get("temperature", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 1.0:
+        raise CorruptFileError(f"{meta_p}: field 'temperature' is {t!r}; allowed: 1.0 (a cache holds the teacher's "
+                               f"log-probabilities at temperature 1; the loss applies its own)")
+    if not isinstance(meta.get("shards"), list):
+        raise CorruptFileError(f"{meta_p}: field 'shards' is {meta.get('shards')!r}; allowed: a list of "
+                               f"shard-NNNNN.safetensors names")
+
+
+class CachedTeacher:
+    """Reads a top-k cache; ``get(sample_ids)`` gives the TopKTeacherOut of those samples.
+
+    ``expect``: the values of :data:`IDENTITY_FIELDS` this run needs (its teacher's weights_sha256, its
+    data's fingerprint, method.topk, data.seq_len, method.cache_dtype); a cache that differs in any of
+    them (or predates the field) is refused naming the field and both values."""
+
+    def __init__(self, path: str, expect_fingerprint: Optional[str] = None, seq_len: Optional[int] = None,
+                 expect: Optional[Dict[str, Any]] = None):
         self.path = Path(path)
         meta_p = self.path / "meta.json"
-        if not meta_p.exists():
+        if not meta_p.exists() and not meta_p.is_symlink():
             raise FileNotFoundError(f"teacher cache: {meta_p} not found; run the precompute pass "
                                     f"(method.teacher=cached writes it when missing)")
-        self.meta = json.loads(meta_p.read_text())
-        if expect_fingerprint is not None and self.meta["fingerprint"] != expect_fingerprint:
-            raise ValueError(f"teacher cache {self.path} was computed for other data (fingerprint "
-                             f"{self.meta['fingerprint']}, this run's data {expect_fingerprint}); "
-                             f"delete it or point method.teacher_cache elsewhere")
-        if seq_len is not None and int(self.meta["seq_len"]) != int(seq_len):
-            raise ValueError(f"teacher cache seq_len={self.meta['seq_len']} but data.seq_len={seq_len}")
-
+        own_file(self.path, "meta.json", "the teacher cache's meta.json")
+        try:
+            self.meta = json.loads(meta_p.read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptFileError(f"{meta_p}: not readable JSON ({type(e).__name__}: {e}); allowed: the meta.json "
+                                   f"a qatfactory teacher cache writes") from None
+        _check_meta(self.meta, meta_p)
+        want = dict(expect or {})
+        if expect_fingerprint is not None:
+            want.setdefault("fingerprint", expect_fingerprint)
+        if seq_len is not None:
+            want.setdefault("seq_len", int(seq_len))
+        for f in IDENTITY_FIELDS:
+            if f not in want:
+                continue
+            have = self.meta.get(f, 1.0 if f == "temperature" else "<absent: written before the field>")
+            if have != want[f]:
+                what = {"fingerprint": "other data (the tokenized samples)", "teacher_sha256": "other teacher weights",
+                        "k": "another top-k (method.topk)", "seq_len": "another data.seq_len",
+                        "logprob_dtype": "another method.cache_dtype"}.get(f, f"another {f}")
+                raise TeacherCacheMismatchError(
+                    f"teacher cache {self.path} was written for {what}: {f}={have!r} in {meta_p}, this run needs "
+                    f"{f}={want[f]!r}; delete the cache (it is recomputed) or point method.teacher_cache elsewhere")
         self._shards = []
         for name in self.meta["shards"]:
             # only shard files of this directory: a name from meta.json is never followed elsewhere
             if not isinstance(name, str) or not re.fullmatch(r"shard-\d+\.safetensors", name):
-                raise ValueError(f"teacher cache {meta_p}: shard name {name!r} is not a shard of this directory "
-                                 f"(allowed: shard-NNNNN.safetensors)")
-            t = load_safetensors(self.path / name)
+                raise CorruptFileError(f"teacher cache {meta_p}: shard name {name!r} is not a shard of this "
+                                       f"directory (allowed: shard-NNNNN.safetensors)")
+            t = load_safetensors(own_file(self.path, name, "a teacher cache shard"))
+            _check_shard(t, self.path / name, self.meta)
             self._shards.append((int(t["sample_ids"][0]), int(t["sample_ids"][-1]) + 1, t))
         self.k = int(self.meta["k"])
 
@@ -160,16 +235,34 @@ class CachedTeacher:
         return TopKTeacherOut(torch.stack(lps).float(), torch.stack(idxs).long())
 
 
+def _check_shard(t: Dict[str, torch.Tensor], p: Path, meta: Dict[str, Any]) -> None:
+    """A shard holds what meta.json says: [n, seq_len, k] log-probabilities and int32 indices, consecutive ids."""
+    ids, lp, ix = t.get("sample_ids"), t.get("logprobs"), t.get("indices")
+    if ids is None or lp is None or ix is None or ids.ndim != 1 or ids.numel() == 0 or ids.dtype != torch.int64:
+        raise CorruptFileError(f"{p}: allowed: tensors sample_ids (int64 [n], n >= 1), logprobs, indices")
+    want = (ids.numel(), meta["seq_len"], meta["k"])
+    if tuple(lp.shape) != want or tuple(ix.shape) != want or ix.dtype != torch.int32 or \
+            lp.dtype not in (torch.float32, torch.bfloat16):
+        raise CorruptFileError(f"{p}: logprobs {lp.dtype} {tuple(lp.shape)} / indices {ix.dtype} {tuple(ix.shape)}; "
+                               f"allowed: [{want[0]}, {want[1]}, {want[2]}] (n, meta.json's seq_len, k), float and "
+                               f"int32")
+    if not torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
+        raise CorruptFileError(f"{p}: sample_ids are not consecutive")
+
+
 @torch.no_grad()
 def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_size: int = 4,
                     shard_samples: int = 256, chunk_tokens: int = 1024, logprob_dtype: str = "float32",
-                    teacher_name: str = "", vocab: Optional[int] = None) -> Path:
-    """Write the top-k cache for ``samples`` (a data.Samples) to ``out_dir`` atomically."""
+                    teacher_name: str = "", vocab: Optional[int] = None, teacher_sha256: Optional[str] = None) -> Path:
+    """Write the top-k cache for ``samples`` (a data.Samples) to ``out_dir`` atomically. ``teacher_sha256``:
+    the teacher's identity (:func:`weights_sha256` of its model; computed here when not given)."""
     if k < 1:
         raise ValueError(f"precompute_topk: k={k}; allowed: an int >= 1")
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(logprob_dtype)
     if dt is None:
         raise ValueError(f"precompute_topk: logprob_dtype={logprob_dtype!r}; allowed: ['float32', 'bfloat16']")
+    if teacher_sha256 is None:
+        teacher_sha256 = weights_sha256(teacher.module)
     out = Path(out_dir)
     # replaces only a missing or empty directory or an earlier cache: a folder of the user's own that happens
     # to sit at out_dir (method.teacher_cache=DIR puts DIR/train and DIR/eval here) is refused, never deleted
@@ -203,7 +296,7 @@ def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_s
             shards.append(name)
         meta = {"k": int(k), "seq_len": int(L), "n_samples": int(n), "vocab": vocab,
                 "fingerprint": samples.fingerprint(), "shards": shards, "logprob_dtype": logprob_dtype,
-                "teacher": teacher_name,
+                "teacher": teacher_name, "teacher_sha256": teacher_sha256, "temperature": 1.0,
                 "renormalisation": "teacher softmax(l/tau) over the top-k set; see qatfactory.distill.losses",
                 TEACHER_CACHE_KEY: 1}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

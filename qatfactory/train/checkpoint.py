@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import random
 import re
@@ -153,7 +154,12 @@ def safe_torch_load(path, map_location=None, mmap: bool = False):
 def scan(ckpt: Path) -> None:
     """Refuse, before anything is built or written, a checkpoint whose DeepSpeed files would import
     anything but DeepSpeed's own state classes (read from the pickle's opcodes; nothing is run).
-    The loader (:func:`safe_torch_load`) refuses the same files again when it reads them."""
+    The loader (:func:`safe_torch_load`) refuses the same files again when it reads them.
+    A file or folder of the checkpoint replaced by a symbolic link (to a file outside the run) is
+    refused too: a resume reads only the run's own files."""
+    for dirpath, dirnames, filenames in os.walk(ckpt):
+        for n in sorted(dirnames + filenames):
+            _fsutil.own_file(dirpath, n, "a file of checkpoint " + Path(ckpt).name)
     for f in sorted((Path(ckpt) / DS_TAG).glob("*.pt")):
         try:
             found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f)) if g not in DS_SAFE_GLOBALS]
@@ -189,6 +195,8 @@ def make_safe(engine) -> None:
 # ----------------------------------------------------------------------------- finding checkpoints
 def list_checkpoints(run_dir) -> list:
     d = Path(run_dir) / "checkpoints"
+    if d.is_symlink():      # a resume reads only the run's own checkpoints
+        _fsutil.own_file(run_dir, "checkpoints", "the run's checkpoints folder")
     if not d.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()

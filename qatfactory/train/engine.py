@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -43,10 +44,17 @@ import torch.nn as nn
 from .. import _fsutil, assets
 from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
-from ..distill.teachers import CachedTeacher, LiveTeacher, head_weight, precompute_topk, split_causal_lm
+from ..distill.teachers import (
+    CachedTeacher,
+    LiveTeacher,
+    head_weight,
+    precompute_topk,
+    split_causal_lm,
+    weights_sha256,
+)
 from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
-from . import ds_step, rundir
+from . import ds_step, rundir, runlock
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
@@ -365,9 +373,10 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
             raise ValueError(f"quant.kquant_refresh_every={cfg.quant.kquant_refresh_every}: method={cfg.method.name} "
                              f"runs a loop of its own, which does not keep k-quant scales between searches; "
                              f"allowed: 1 for this method")
-        return method.own_loop(cfg, eval_only)
+        with runlock.held():        # the run directory stays locked to this process until the run ends
+            return method.own_loop(cfg, eval_only)
     # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
-    with step_cache.enabled():
+    with runlock.held(), step_cache.enabled():
         return _run(cfg, method, eval_only)
 
 
@@ -384,6 +393,14 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
     if kind == "live":
         return _Teacher(LiveTeacher(tmodel, tdtype, dev, zero3_config=zero3))
     cache_root = Path(m.teacher_cache or (run_dir / "teacher_cache"))
+    if not m.teacher_cache:
+        # the run's own cache folder: never a link to a cache somewhere else (a named one is the user's choice)
+        for folder, name in ((run_dir, "teacher_cache"), (cache_root, "train"), (cache_root, "eval")):
+            if (Path(folder) / name).exists() or (Path(folder) / name).is_symlink():
+                _fsutil.own_file(folder, name, "the run's teacher cache folder")
+    # the teacher's identity (its weights, and the dtype it runs in) goes into the cache and is checked on
+    # every reuse with the data's fingerprint, top-k, seq_len and the stored dtype (distill/teachers.py)
+    tsha = hashlib.sha256(f"{weights_sha256(tmodel)}:{tdtype}".encode()).hexdigest()
     for split, s in (("train", train_s), ("eval", eval_s)):
         if eval_only and not (cache_root / split / "meta.json").exists():
             # an evaluation writes nothing but its own result file
@@ -398,11 +415,15 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
             lt = LiveTeacher(tmodel, tdtype, dev)
             precompute_topk(lt, s, str(cache_root / split), m.topk, batch_size=t.micro_batch,
                             chunk_tokens=m.loss.chunk_tokens, logprob_dtype=m.cache_dtype,
-                            teacher_name=m.teacher_path or cfg.model.name, vocab=vocab)
+                            teacher_name=m.teacher_path or cfg.model.name, vocab=vocab, teacher_sha256=tsha)
         _barrier()
     del tmodel
-    return _Teacher(None, CachedTeacher(str(cache_root / "train"), train_s.fingerprint(), cfg.data.seq_len),
-                    CachedTeacher(str(cache_root / "eval"), eval_s.fingerprint(), cfg.data.seq_len))
+
+    def expect(s):
+        return {"teacher_sha256": tsha, "fingerprint": s.fingerprint(), "k": m.topk, "seq_len": cfg.data.seq_len,
+                "logprob_dtype": m.cache_dtype, "temperature": 1.0}
+    return _Teacher(None, CachedTeacher(str(cache_root / "train"), expect=expect(train_s)),
+                    CachedTeacher(str(cache_root / "eval"), expect=expect(eval_s)))
 
 
 def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:

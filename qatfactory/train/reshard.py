@@ -234,6 +234,9 @@ def gather(ckpt, shard_bytes: int = SHARD_BYTES) -> Path:
     ckpt = Path(ckpt)
     out = ckpt / GATHERED
     st = C.read_state(ckpt)
+    if out.is_symlink() or (out / INDEX).is_symlink():
+        _fsutil.own_file(ckpt, GATHERED, "the gathered state")
+        _fsutil.own_file(out, INDEX, "the gathered index")
     if (out / INDEX).is_file():
         read_index(out, st)
         return out
@@ -263,7 +266,7 @@ def gather(ckpt, shard_bytes: int = SHARD_BYTES) -> Path:
 
 
 def read_index(gdir, st: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    p = Path(gdir) / INDEX
+    p = _fsutil.own_file(gdir, INDEX, "the gathered index")
     try:
         idx = json.loads(p.read_text())
     except (OSError, ValueError) as e:
@@ -290,6 +293,7 @@ class _Reader:
         if name is None:
             raise CorruptFileError(f"{self.gdir}: {key} was not gathered")
         if name not in self.open:
+            _fsutil.own_file(self.gdir, name, "a gathered state file")   # never a link to a file elsewhere
             try:
                 self.open[name] = self._safe_open(str(self.gdir / name), framework="pt")
             except Exception as e:  # SafetensorError

@@ -27,8 +27,9 @@ import torch
 from omegaconf import OmegaConf
 
 from .. import _fsutil
-from ..exitcodes import BadInputError
+from ..exitcodes import BadInputError, UsageError
 from . import checkpoint as ckpt
+from . import runlock
 from .config import RunConfig, to_dict
 
 RUN_RECORD = _fsutil.RUN_RECORD
@@ -167,11 +168,20 @@ def _fresh_name(cfg: RunConfig) -> Path:
     return d
 
 
-def _decide(cfg: RunConfig, world: int, eval_only: bool) -> Dict[str, Any]:
+def _kind(d: Path) -> Optional[str]:
+    """_fsutil.kind_of, where a directory holding nothing but the run lock is empty: the lock is taken
+    before the directory is checked, and a run killed right after taking it leaves only that file."""
+    k = _fsutil.kind_of(d)
+    if k is None and d.is_dir() and not d.is_symlink() and [x.name for x in d.iterdir()] == [_fsutil.RUN_LOCK]:
+        return "empty"
+    return k
+
+
+def _decide(cfg: RunConfig, world: int, eval_only: bool, d: Optional[Path] = None) -> Dict[str, Any]:
     """Rank 0: everything that is checked before anything is written."""
-    named = cfg.run_dir is not None
-    d = Path(cfg.run_dir) if named else _fresh_name(cfg)
-    kind = _fsutil.kind_of(d)
+    if d is None:
+        d = Path(cfg.run_dir) if cfg.run_dir is not None else _fresh_name(cfg)
+    kind = _kind(d)
     if eval_only:
         resume_from = ckpt.find_resume(cfg.resume, d)
         ckpt.scan(resume_from)
@@ -192,7 +202,13 @@ def _decide(cfg: RunConfig, world: int, eval_only: bool) -> Dict[str, Any]:
     restart = False
     if resume_from is not None:
         ckpt.scan(resume_from)
-        check_resume(ckpt.read_state(resume_from), cfg, world, str(resume_from))
+        st = ckpt.read_state(resume_from)
+        if st["step"] > cfg.train.max_steps:
+            raise UsageError(f"train.max_steps={cfg.train.max_steps} is below the step of the checkpoint to resume, "
+                             f"{st['step']} ({resume_from}): the run is already past it, so nothing would train. "
+                             f"Give train.max_steps >= {st['step']} to continue it, or start a new run (another "
+                             f"run_dir)")
+        check_resume(st, cfg, world, str(resume_from))
     elif kind == "run" or kind is None:
         # resume=auto in a run that never wrote a checkpoint: the same run starts over
         rec = _read_record(d)
@@ -266,12 +282,22 @@ def prepare(cfg: RunConfig, rank: int, world: int, eval_only: bool = False) -> T
     An error found by rank 0 is raised on every rank (nobody waits in a barrier for a dead rank 0)."""
     out: Any = None
     if rank == 0:
+        d = locked = None
         try:
-            dec = _decide(cfg, world, eval_only)
+            d = Path(cfg.run_dir) if cfg.run_dir is not None else _fresh_name(cfg)
+            # a training run holds its directory from before the first check to its end (runlock.held in
+            # engine.run); only a directory a run may use is locked (the lock file goes into it)
+            k = _kind(d)
+            if not eval_only and (k in ("missing", "empty", "run") or (k is None and d.is_dir() and _legacy_run(d))):
+                runlock.acquire(d)
+                locked = d
+            dec = _decide(cfg, world, eval_only, d)
             if not eval_only:
                 _write(Path(dec["run_dir"]), cfg, world, dec)
             out = ("ok", dec)
         except Exception as e:  # noqa: BLE001 - handed to every rank, then raised
+            if locked is not None and not isinstance(e, runlock.RunLockedError):
+                runlock.release(locked)
             out = ("err", e)
     out = _broadcast(out)
     if out[0] == "err":

@@ -181,7 +181,7 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                                "tokens": step * tokens_per_step, "time_s": time.time() - t0, "world_size": world,
                                "eval_first": history[0] if history else None,
                                "eval_last": history[-1] if history else None, "eval_history": history}
-    out, student = _finalize(cfg, lm, ck, run_dir, rank)
+    out, student = _finalize(cfg, lm, ck, run_dir, rank, max_changed)
     summary.update(out)
     student.request(cfg, run_dir, decision.get("export_dir"))
     _barrier()
@@ -221,7 +221,7 @@ def training_logits(lm, ck: NT.NativeCheckpoint, prompt: List[int]):
     return cp(input_ids=ids, use_cache=False).logits[0].float(), "a float32 CPU copy of the trained module"
 
 
-def _finalize(cfg: RunConfig, lm, ck: NT.NativeCheckpoint, run_dir: Path, rank: int):
+def _finalize(cfg: RunConfig, lm, ck: NT.NativeCheckpoint, run_dir: Path, rank: int, max_changed: float = 1.0):
     """Rank 0: the scale file, and (export.enabled) the merged model for the face to ship, with the
     gate's two extra rows: the export's code plane must be the base's, its logits the training
     forward's. Returns (summary entries, Student)."""
@@ -230,7 +230,8 @@ def _finalize(cfg: RunConfig, lm, ck: NT.NativeCheckpoint, run_dir: Path, rank: 
     if rank != 0:
         return out, student
     f = run_dir / "scales.safetensors"
-    meta = NT.save_scale_file(lm, ck, f, task=cfg.method.scale.task)
+    # the trust region the run held the bytes to goes into the file: an apply refuses bytes outside it
+    meta = NT.save_scale_file(lm, ck, f, task=cfg.method.scale.task, max_changed=max_changed)
     nb = ck.nbytes()
     out.update(scale_file=str(f), scale_file_bytes=f.stat().st_size, checkpoint_bytes=nb["total"],
                code_plane_sha256=meta["base_code_plane_sha256"], scales_final=SA.scale_stats(lm))
