@@ -131,7 +131,7 @@ def run(a) -> int:
         # QADTrainer, evaluation) runs with its block INT4 weight-only config, which measures nothing here
         cfgs = [CPU_STAND_IN]
         res["cpu_stand_in"] = CPU_STAND_IN
-    for name in cfgs:
+    for name in (cfgs if a.ptq else []):
         try:
             m = quantize(C.load_teacher(a.smoke, a.model_path, a.device)[0], name, calib, a.device, p["micro"])
             res["ptq"][f"modelopt {name}"] = ev.evaluate(m)
@@ -165,6 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--lrs", default=f"{DOC_LR:g}", help="QAD learning rates (its documented one: 1e-5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default=TAG)
+    ap.add_argument("--no-ptq", dest="ptq", action="store_false",
+                    help="skip the PTQ rows (each calibrates 512 windows; AWQ-lite searches for minutes): a QAD-only job")
     a = ap.parse_args(argv)
     a.lrs = [float(x) for x in a.lrs.split(",") if x.strip()] if a.lrs else []
     if any(not math.isfinite(x) or x <= 0 for x in a.lrs):
