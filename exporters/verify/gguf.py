@@ -32,6 +32,7 @@ from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
 from ..gguf_tokenizer import gate_check as tokenizer_gate
+from .gguf_tokens import check_gguf_tokenizer
 from . import kv as KVG  # issue 22
 from .common import (
     act_decode_scale,
@@ -185,6 +186,9 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
     _metadata(res, reader, student, names, path)
     # issue 13: llama.cpp's own tokenizer on this file against the source's HF tokenizer
     tokenizer_gate(res, path, student.source_dir or d, llama_cpp)
+    # every tokenizer.* key by value against the source's tokenizer files (vocabulary, ids, templates)
+    check_gguf_tokenizer(res, reader, Path(student.source_dir) if student.source_dir else None, cfg,
+                         int(cfg["vocab_size"]))
     tensors = {t.name: t for t in reader.tensors}
     proc = None
     if names.permute:
