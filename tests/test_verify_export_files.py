@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-
 from tamper_helpers import cell, exported, rows
 
 from qatfactory.exporters import export, verify
@@ -38,7 +37,6 @@ def test_override_shard_beside_model_safetensors(tmp_path, cell_id):
 
 
 def test_shard_the_index_does_not_name(tmp_path):
-    from tamper_helpers import cell as _cell  # noqa: F401
     from test_exporters_helpers import cell_student
     cm = cell_student(cell(CTM))
     out = tmp_path / "e"

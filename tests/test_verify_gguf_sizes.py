@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tamper_helpers import exported, gguf_rw
 
 MX = "llama_cpp-gguf-qwen3-mxfp4-w4a16"     # 1 block, hidden 256, 4 heads x 64, 2 kv heads, vocab 320

@@ -5,7 +5,6 @@ writer (tamper_helpers.rewrite_gguf), as a hostile user would make them."""
 from __future__ import annotations
 
 import pytest
-
 from tamper_helpers import exported, rewrite_gguf, rows
 
 from qatfactory.exporters import verify

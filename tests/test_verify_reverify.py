@@ -38,9 +38,10 @@ def test_student_loaded_from_another_folder_and_dtype_alias(tmp_path):
 
 
 def test_exported_config_has_no_local_path(tmp_path):
-    import qatfactory.exporters as E
     from tamper_helpers import cell
     from test_exporters_helpers import cell_student
+
+    import qatfactory.exporters as E
     cm = copy.copy(cell_student(cell(MO)))
     cm.config = dict(cm.config, _name_or_path="/home/someone/private/student")
     E.export(cm, tmp_path / "e", engine="vllm", flavour="modelopt")

@@ -24,7 +24,7 @@ def adapter(tmp_path):
     with torch.no_grad():
         for a in ads.values():
             a.lora_B.normal_(0, 0.02)   # B starts at zero: make the trained adapter non-trivial
-    d = AD.save_peft_adapter(m, str(tmp_path / "adapter"))
+    AD.save_peft_adapter(m, str(tmp_path / "adapter"))
     trained = TrainedAdapter(4, 8.0, {n: (a.lora_A.detach().clone(), a.lora_B.detach().clone()) for n, a in ads.items()},
                              [n for n, x in m.named_modules() if isinstance(x, torch.nn.Linear)])
     return tmp_path / "adapter", trained

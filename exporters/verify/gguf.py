@@ -32,8 +32,6 @@ from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
 from ..gguf_tokenizer import gate_check as tokenizer_gate
-from .gguf_sizes import size_problems
-from .gguf_tokens import check_gguf_tokenizer
 from . import kv as KVG  # issue 22
 from .common import (
     act_decode_scale,
@@ -54,6 +52,8 @@ from .common import (
     tied,
     written_dense,
 )
+from .gguf_sizes import size_problems
+from .gguf_tokens import check_gguf_tokenizer
 from .llama_cpp_runtime import runtime_check
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 

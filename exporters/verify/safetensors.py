@@ -28,7 +28,6 @@ from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
 from . import kv as KVG  # issue 22: k/v scales and kv-cache config against the student
-from .files import check_files
 from .common import (
     EMBED,
     LM_HEAD,
@@ -54,6 +53,7 @@ from .common import (
     tied,
     written_dense,
 )
+from .files import check_files
 from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
