@@ -53,6 +53,7 @@ from .common import (
     tied,
     written_dense,
 )
+from .config_sizes import config_size_problems
 from .files import check_files
 from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
@@ -234,6 +235,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
         return
     want = expected_tensors(student, flavour, layout, mode) | ({LM_HEAD} if untie else set()) | \
         set(KVG.expected_scale_tensors(student, flavour))
+    sizes = config_size_problems(cfg, sd)
+    if sizes:   # the rows below compare; only the models built from this config are left out
+        res.add("config.json", "sizes == tensors", FAIL, "; ".join(sizes[:4]) + "; no model was built from this "
+                "config")
     extra, lost = set(sd) - want, want - set(sd)
     res.ok_or_fail("tensors", "none extra", not extra, f"{len(extra)} tensors the student does not have: "
                    + names_sample(extra) if extra else f"{len(sd)} tensors, all expected")
@@ -292,9 +297,9 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     KVG.check_scales_survive_serving(res, sd, student, flavour, cfg)
     _source_files(res, d, student)
     check_files(res, d, _expected_files(d, student, flavour))
-    if flavour == "compressed-tensors":
+    if not sizes and flavour == "compressed-tensors":   # both build a skeleton from config.json
         _ct_skeleton(res, d, student)
-    else:
+    elif not sizes:
         _modelopt_exclusion(res, d, student, qc)
     if flavour == "modelopt":
         res.notes.append("ModelOpt NVFP4: decoded with nvidia-modelopt's NVFP4QTensor.dequantize and a labelled "
@@ -304,6 +309,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     # ---- logits
     if not do_logits:
         res.opted_out("logits", "transformers", "--no-logits / logits=False")
+        return
+    if sizes:
+        res.add("logits", "transformers", FAIL, "not attempted: config.json claims sizes its tensors do not hold "
+                                                "(above)")
         return
     if any(c.status == FAIL for c in res.checks if c.tensor in ("tensors",) or c.check == "bytes"):
         res.add("logits", "transformers", FAIL, "not attempted: the export's tensors are incomplete or differ (above)")
