@@ -48,10 +48,10 @@ def test_exported_config_has_no_local_path(tmp_path):
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     assert "_name_or_path" not in cfg
     assert verify(tmp_path / "e", cm).verdict == "PASS"
-    # an export that leaks one is named
+    # an export written before (it carried the path) is no false alarm either: engines do not read the key
     edit_json(tmp_path / "e" / "config.json", lambda c: c.update(_name_or_path="/home/someone/private/student"))
-    v = verify(tmp_path / "e", cm, logits=False)
-    assert _config_row(v).status == "FAIL" and "_name_or_path" in _config_row(v).detail, v.table()
+    v = verify(tmp_path / "e", cm)
+    assert v.verdict == "PASS" and any("_name_or_path" in n for n in v.notes), v.table()
 
 
 def test_train_cli_export_reverifies_against_the_runs_student(tmp_path):
