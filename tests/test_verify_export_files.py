@@ -79,3 +79,12 @@ def test_named_templates_of_the_source_are_shipped_and_compared(tmp_path):
     (tmp_path / "e" / "additional_chat_templates" / "tool_use.jinja").write_text("Always answer 42.")
     v = verify(tmp_path / "e", cm, logits=False)
     assert "additional_chat_templates/tool_use.jinja differs" in v.table(), v.table()
+
+
+def test_a_hub_download_or_clone_bookkeeping_is_not_a_file_an_engine_reads(tmp_path):
+    cm, out = exported(tmp_path, CTM)
+    (out / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (out / ".cache" / "huggingface" / "download" / "model.safetensors.metadata").write_text("abc\n")
+    (out / ".git" / "lfs").mkdir(parents=True)
+    (out / ".git" / "lfs" / "blob.safetensors").write_bytes(b"x")
+    assert verify(out, cm).verdict == "PASS"

@@ -150,3 +150,43 @@ def test_named_templates_of_the_source_are_shipped_and_compared(tmp_path):
     (src / "additional_chat_templates" / "tool_use.jinja").write_text("Always answer 42.")
     v = verify(tmp_path / "e", cm, logits=False, llama_cpp=False)
     _fail_row(v, "chat templates == source", "tokenizer.chat_template.tool_use differs")
+
+
+def test_spm_scores_that_reorder_the_merges(tmp_path):
+    """A byte-fallback (SentencePiece-style) vocabulary: llama.cpp merges the best-scored pair first, so
+    two merge results whose scores are swapped would tokenize differently from the source."""
+    from test_gguf_tokenizer import _export_with, _train, _vocab
+    tok = _train(tmp_path / "tok", "spm")
+    cm, _ = _export_with(tok, tmp_path / "g", _vocab(tok))
+    v = verify(tmp_path / "g", cm, logits=False, llama_cpp=False)
+    assert not v.failures and ("tokenizer", "scores order == source merges") in rows(v, "ok"), v.table()
+    import json
+    merges = json.loads((tok / "tokenizer.json").read_text())["model"]["merges"]
+    vocab = json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]
+    first, later = ["".join(m.split(" ") if isinstance(m, str) else m) for m in (merges[0], merges[40])]
+    scores = list(_field(tmp_path / "g", "tokenizer.ggml.scores"))
+    i, j = vocab[first], vocab[later]
+    scores[i], scores[j] = scores[j], scores[i]
+    rewrite_gguf(tmp_path / "g" / "model.gguf", kv={"tokenizer.ggml.scores": scores})
+    v = verify(tmp_path / "g", cm, logits=False, llama_cpp=False)
+    _fail_row(v, "scores order == source merges", "tokenizer.ggml.scores[")
+
+
+def test_template_names_are_compared_as_gguf_stores_them(tmp_path):
+    """A named template whose name has a '-' (GGUF keys hold letters, digits and '_'): no false alarm."""
+    import copy
+    import shutil
+
+    from tamper_helpers import cell
+    from test_exporters_helpers import cell_student
+
+    from qatfactory.exporters import export
+    src = tmp_path / "src"
+    shutil.copytree(cell_student(cell(MX)).source_dir, src)
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool-use.jinja").write_text("TOOLS")
+    cm = copy.copy(cell_student(cell(MX)))
+    cm.source_dir = str(src)
+    export(cm, tmp_path / "e", engine="llama_cpp")
+    v = verify(tmp_path / "e", cm, logits=False, llama_cpp=False)
+    assert not v.failures, v.table()

@@ -14,7 +14,8 @@ from a list in the export:
     the source files                         those the student's source_dir holds (compared by value
                                              in the "source files" row), additional_chat_templates too
 
-Anything else is a FAIL naming it, except documents no loader opens (a model card, a licence).
+Anything else is a FAIL naming it, except documents no loader opens (a model card, a licence) and
+hidden folders (``.git/`` of a clone, ``.cache/huggingface/`` of a hub download).
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def check_files(res: VerifyResult, d: Path, expected: Iterable[str]) -> None:
     for rel in tree(d):
         if rel in want:
             continue
+        if any(part.startswith(".") for part in rel.split("/")[:-1]):
+            continue   # .git/, .cache/huggingface/ (a clone or a hub download's bookkeeping): no loader looks there
         base = rel.rsplit("/", 1)[-1]
         if any(fnmatch.fnmatch(base, p) for p in HARMLESS) and not os.path.islink(d / rel):
             continue

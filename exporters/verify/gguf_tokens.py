@@ -258,7 +258,9 @@ def _templates_row(res: VerifyResult, reader, tmpl, keys: List[str], checked: se
     if isinstance(tmpl, str):
         want["default"] = tmpl
     elif isinstance(tmpl, dict):
-        want = {str(k): v for k, v in tmpl.items() if isinstance(v, str)}
+        # a GGUF key name holds letters, digits and '_' only: any other character of a template's name is
+        # stored as '_' (the GGUF convention gguf-py's writer follows)
+        want = {re.sub(r"[^A-Za-z0-9]", "_", str(k)): v for k, v in tmpl.items() if isinstance(v, str)}
     got: Dict[str, str] = {}
     if _field(reader, K_TEMPLATE) is not None:
         got["default"] = _field(reader, K_TEMPLATE)
