@@ -417,6 +417,16 @@ def copy_source_files(source_dir: Optional[str], out: Path) -> List[str]:
         if p.is_file():
             shutil.copyfile(p, out / name, follow_symlinks=False)
             copied.append(name)
+    # named chat templates: transformers loads each additional_chat_templates/<name>.jinja
+    tdir = src / "additional_chat_templates"
+    if tdir.is_dir() and not tdir.is_symlink():
+        for p in sorted(tdir.glob("*.jinja")):
+            if p.is_symlink() or not stat.S_ISREG(os.lstat(p).st_mode):
+                warnings.warn(f"export: {p} is not a regular file; not copied", stacklevel=2)
+                continue
+            (out / tdir.name).mkdir(exist_ok=True)
+            shutil.copyfile(p, out / tdir.name / p.name, follow_symlinks=False)
+            copied.append(f"{tdir.name}/{p.name}")
     return copied
 
 

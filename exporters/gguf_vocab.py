@@ -247,8 +247,17 @@ def write_tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], a
     tmpl = tcfg.get("chat_template")
     if tmpl is None and (src / "chat_template.jinja").is_file():
         tmpl = (src / "chat_template.jinja").read_text()
+    named = []
+    extra_dir = src / "additional_chat_templates"
+    if isinstance(tmpl, str) and extra_dir.is_dir() and not extra_dir.is_symlink():
+        # transformers loads these beside the default as named templates; llama.cpp reads them as
+        # tokenizer.chat_template.<name>
+        for p in sorted(extra_dir.glob("*.jinja")):
+            if p.is_file() and not p.is_symlink():
+                named.append({"name": p.stem, "template": p.read_text(encoding="utf-8")})
     if isinstance(tmpl, str):
-        writer.add_chat_template(tmpl)
+        writer.add_chat_template([{"name": "default", "template": tmpl}] + named if named else tmpl)
     return {"model": kind, "tokens": n, "merges": len(merges), "add_bos": add_bos, "add_eos": add_eos,
             "add_space_prefix": bool(space_prefix), "chat_template": isinstance(tmpl, str),
+            **({"named_chat_templates": [t["name"] for t in named]} if named else {}),
             **{f"{k}_token": v for k, v in ids.items()}, **info}

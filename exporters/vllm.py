@@ -237,8 +237,12 @@ class SafetensorsExporter(Exporter):
         if untie:
             cfg["tie_word_embeddings"] = False
         cfg.pop("quantization_config", None)
+        for k in ("_name_or_path", "_commit_hash"):   # where the student was loaded from: not for publishing
+            cfg.pop(k, None)
         if not cfg.get("torch_dtype"):
             cfg["torch_dtype"] = cfg.get("dtype") or _dtype_name(converted)
+        if cfg.get("dtype") is None:   # one setting, two names: never a null beside a value
+            cfg.pop("dtype", None)
         if not cfg.get("architectures"):  # engines pick the model class from it
             cfg["architectures"] = _architectures(cfg.get("model_type"))
         if flavour == "modelopt":

@@ -23,6 +23,7 @@ import torch
 from . import _fsutil
 from .exporters import export
 from .exporters import verify as gate
+from .exporters.verify.adapter import TrainedAdapter, check_adapter
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
 from .train import runlock
@@ -61,12 +62,13 @@ class Shipped:
 
 def ship(converted, engine: str, flavour: Optional[str], out, verify: bool = True, *, force: bool = False,
          native_base=None, training_logits: Optional[Callable[[List[int]], Tuple[torch.Tensor, str]]] = None,
-         **options) -> Shipped:
+         adapter: Optional[Dict[str, Any]] = None, **options) -> Shipped:
     """Export ``converted`` (a formats.ConvertedModel) for ``engine`` into ``out`` and, with
     ``verify``, run the parity gate on it. ``force``: replace an earlier export of ours or an empty
     directory (never anything else). ``native_base``: a native 4-bit checkpoint whose code plane the
     export must carry byte for byte; ``training_logits(prompt) -> (logits, how)``: the training
-    forward the export's logits must equal (scale adapters). ``options``: the exporter's own."""
+    forward the export's logits must equal (scale adapters); ``adapter``: a LoRA folder shipped beside
+    the export and the adapter as trained (Student.adapter), gated together. ``options``: the exporter's own."""
     r = export(converted, str(out), engine=engine, flavour=flavour, force=force, **options)
     s = Shipped(Path(r.path), r.engine, r.flavour, list(r.files), dict(r.record))
     if not verify:
@@ -79,6 +81,9 @@ def ship(converted, engine: str, flavour: Optional[str], out, verify: bool = Tru
         logits, how = training_logits(prompt)
         check_training_logits(res, converted, logits, prompt)
         res.notes.append(f"training forward: {how}")
+    if adapter is not None:
+        check_adapter(res, adapter["dir"], TrainedAdapter(int(adapter["rank"]), float(adapter["alpha"]),
+                                                          dict(adapter["modules"]), list(adapter.get("linears") or [])))
     s.report, s.gate = res, gate_summary(res)
     if not s.ok:
         s.path = mark_failed(r.path, s.gate)
@@ -149,7 +154,8 @@ def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
         return {}
     # force: the target was checked before training (rundir.prepare): empty, or an earlier export of ours
     s = ship(student.converted, req["engine"], req["flavour"], req["out"], verify=req["verify"], force=True,
-             native_base=student.native_base, training_logits=student.training_logits)
+             native_base=student.native_base, training_logits=student.training_logits,
+             adapter=getattr(student, "adapter", None))
     out = s.summary()
     if run_dir is not None and (Path(run_dir) / "summary.json").is_file():
         p = Path(run_dir) / "summary.json"

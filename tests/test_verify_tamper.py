@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-
 from tamper_helpers import edit_json, edit_tensors, exported, hide, rows
 
 from qatfactory.exporters import verify

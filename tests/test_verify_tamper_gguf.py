@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 
+import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 import numpy as np
 import pytest
-
 from tamper_helpers import edit_json, exported, gguf_rw, hide, rewrite_gguf, rows
 
 from qatfactory.exporters import verify
-
-import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 
 NV = "llama_cpp-gguf-llama-nvfp4-w4a4"       # NVFP4 + .scale/.input_scale, Q/K permuted
 QK = "llama_cpp-gguf-llama-q4_k_m-w4a16"     # Q4_K/Q6_K blocks as trained, Q/K permuted
@@ -187,6 +185,7 @@ def test_nan_scale(tmp_path):
 
 def test_all_nan_dense(tmp_path):
     import copy
+
     import torch
     cm, out = exported(tmp_path, MX)
     bad = copy.deepcopy(cm)

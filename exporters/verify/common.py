@@ -23,6 +23,10 @@ RECORD = "qatfactory.json"
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 # config keys an export may add to the student's config.json (checked on their own)
 ADDED_KEYS = ("quantization_config", "torch_dtype", "dtype", "architectures", "transformers_version")
+# keys that say where a config was loaded from (a local folder, a hub revision), not what the model
+# computes: the same student read from another folder must compare equal, so neither side's counts
+LOCATION_KEYS = ("_name_or_path", "_commit_hash", "_model_name_or_path")
+DTYPE_KEYS = ("dtype", "torch_dtype")   # one setting under two names (transformers renamed it)
 
 
 def default_prompt(vocab_size: int, n: int = 12) -> List[int]:
@@ -184,6 +188,10 @@ def _eq(a, b) -> bool:
     return a == b
 
 
+def _dtype_str(v) -> str:
+    return str(v).replace("torch.", "")
+
+
 def dtype_name(student: ConvertedModel) -> str:
     for t in student.dense.values():
         if t.is_floating_point():
@@ -195,23 +203,32 @@ def compare_hf_config(res: VerifyResult, exported: Dict[str, Any], student: Conv
     """Every key of the student's config.json equal in the export (rms_norm_eps, rope, hidden_act,
     head counts, vocab, context length, tie flag, ...), no key the student does not have besides
     the container's own (quantization_config, torch_dtype, architectures), all checked here."""
-    want = {k: v for k, v in student.config.items() if k not in ("quantization_config",)}
+    want = {k: v for k, v in student.config.items() if k not in ("quantization_config",) + LOCATION_KEYS}
     bad = []
     for k, v in want.items():
-        if k in ("transformers_version", "architectures"):
-            continue  # architectures: checked below (an export fills in a missing one)
-        if k in ("torch_dtype", "dtype") and (k not in exported or v is None):
-            continue
+        if k in ("transformers_version", "architectures") + DTYPE_KEYS:
+            continue  # architectures: checked below (an export fills in a missing one); dtype: below
         if k not in exported:
             bad.append(f"{k} missing (student: {v!r})")
         elif not _eq(exported[k], v):
             bad.append(f"{k}={exported[k]!r} (student: {v!r})")
     for k in exported:
-        if k not in want and k not in ADDED_KEYS:
+        if k in LOCATION_KEYS:
+            # engines do not read it; a copy of a published export still carries it, so it is said, not failed
+            if exported[k]:
+                res.notes.append(f"config.json carries {k}={exported[k]!r}, the folder the student was loaded "
+                                 f"from (no engine reads it; the exporter no longer writes it)")
+        elif k not in want and k not in ADDED_KEYS:
             bad.append(f"{k}={exported[k]!r} is not in the student's config")
-    dt = exported.get("torch_dtype", exported.get("dtype"))
-    if dt is not None and str(dt).replace("torch.", "") != dtype_name(student):
-        bad.append(f"torch_dtype={dt!r} (student tensors: {dtype_name(student)})")
+    # dtype and torch_dtype name one setting: each value the export states (under either name) must be
+    # the student's (under either name) and the dtype of the student's tensors
+    got_dt = {_dtype_str(exported[k]) for k in DTYPE_KEYS if exported.get(k) is not None}
+    want_dt = {_dtype_str(want[k]) for k in DTYPE_KEYS if want.get(k) is not None}
+    for dt in sorted(got_dt):
+        if dt != dtype_name(student) or (want_dt and dt not in want_dt) or len(got_dt) > 1:
+            bad.append(f"dtype/torch_dtype={sorted(got_dt)} (student config: {sorted(want_dt) or 'unset'}, "
+                       f"student tensors: {dtype_name(student)})")
+            break
     arch = exported.get("architectures")
     want_arch = student.config.get("architectures")
     if not want_arch:

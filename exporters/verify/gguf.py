@@ -52,6 +52,8 @@ from .common import (
     tied,
     written_dense,
 )
+from .gguf_sizes import size_problems
+from .gguf_tokens import check_gguf_tokenizer
 from .llama_cpp_runtime import runtime_check
 from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 
@@ -182,9 +184,20 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
     if mode == "mixed":
         res.add("student", "representable", FAIL, "the student mixes W4A4 and W4A16 modules")
     _check_record(res, rec, student, path.name, names, mode)
-    _metadata(res, reader, student, names, path)
+    _metadata(res, reader, student, names, path)   # reads values only (gguf-py, transformers' mapping)
+    # size claims against the tensors present, before anything is built from the metadata (llama.cpp's
+    # vocabulary load, a transformers model, llama.cpp's runtime)
+    arch_f = field(reader, "general.architecture")
+    sizes = size_problems(reader, arch_f) if isinstance(arch_f, str) else ["general.architecture missing"]
+    if sizes:
+        res.add(path.name, "sizes == tensors", FAIL, "; ".join(sizes[:4]) + "; nothing was built from this "
+                "metadata", source="gguf.GGUFReader")
+        return
     # issue 13: llama.cpp's own tokenizer on this file against the source's HF tokenizer
     tokenizer_gate(res, path, student.source_dir or d, llama_cpp)
+    # every tokenizer.* key by value against the source's tokenizer files (vocabulary, ids, templates)
+    check_gguf_tokenizer(res, reader, Path(student.source_dir) if student.source_dir else None, cfg,
+                         int(cfg["vocab_size"]))
     tensors = {t.name: t for t in reader.tensors}
     proc = None
     if names.permute:

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from qatfactory.formats import ConvertedModel
 
 from .common import model_from_state_dict, nonfinite, student_weights, tied
-from .result import FAIL, Missing, VerifyResult
+from .result import FAIL, INCOMPLETE, Missing, VerifyResult
 
 KL_RATIO = 0.1      # KL(reference || llama.cpp) allowed, as a fraction of the Q8 activation effect's KL ...
 AMB_FACTOR = 2.0    # ... or as a multiple of the KL of tipping every rounding that sits within float noise
@@ -281,7 +281,7 @@ try:
 except ImportError as e:
     print(f"ImportError: {e}", file=sys.stderr)
     sys.exit(3)
-path, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+path, prompts, out, n_ctx = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 n = max(len(p) for p in prompts)
 _defaults = C.llama_model_default_params
 def _params():
@@ -289,8 +289,19 @@ def _params():
     p.use_extra_bufts = False   # the plain CPU backend: no AMX / repacked weight layouts
     return p
 C.llama_model_default_params = _params
-llm = Llama(model_path=path, logits_all=True, n_ctx=0, n_batch=max(32, n), n_ubatch=max(32, n),
-            n_threads=max(1, min(4, os.cpu_count() or 1)), type_k=0, type_v=0, flash_attn=False, verbose=False)
+try:
+    llm = Llama(model_path=path, logits_all=True, n_ctx=n_ctx, n_batch=max(32, n), n_ubatch=max(32, n),
+                n_threads=max(1, min(4, os.cpu_count() or 1)), type_k=0, type_v=0, flash_attn=False, verbose=False)
+except MemoryError as e:
+    print(f"AllocationError: {e}", file=sys.stderr)
+    sys.exit(4)
+except ValueError as e:
+    # the model loaded (else "Failed to load model"), its context did not: the machine's memory, not the file
+    if "llama_context" not in str(e):
+        raise
+    print(f"AllocationError: {e} (n_ctx={n_ctx})", file=sys.stderr)
+    sys.exit(4)
+json.dump({"n_ctx": llm.n_ctx()}, open(out + ".json", "w"))
 scores = []
 for prompt in prompts:
     llm.reset()
@@ -300,18 +311,39 @@ np.save(out, np.stack(scores))
 """
 
 
-def run_llama_cpp(path: Path, prompts: List[List[int]], timeout: float = 600.0) -> torch.Tensor:
+class CannotRun(RuntimeError):
+    """llama.cpp could not run here (its context could not be allocated, the process was killed): says
+    nothing about the file, so the row is INCOMPLETE, never FAIL."""
+
+
+def context_for(prompts: List[List[int]]) -> int:
+    """The context the probe prompts need (their length plus a margin, a multiple of 32), never the
+    model's trained context: a tiny Mistral claiming 131072 positions wanted 24 GiB at n_ctx=0."""
+    n = max(len(p) for p in prompts) + 16
+    return max(64, -(-n // 32) * 32)
+
+
+def run_llama_cpp(path: Path, prompts: List[List[int]], timeout: float = 600.0, info: Optional[Dict] = None
+                  ) -> torch.Tensor:
     """Logits [prompts, positions, vocab] of llama.cpp itself, in a separate process: llama.cpp's
-    libggml must not meet libggml-python's (same soname, different ABI) loaded by the dequantizer check."""
+    libggml must not meet libggml-python's (same soname, different ABI) loaded by the dequantizer check.
+    ``info`` receives the context llama.cpp opened (n_ctx)."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise Missing("llama_cpp")
     with tempfile.TemporaryDirectory(prefix="qf-llama-") as td:
         out = os.path.join(td, "scores.npy")
         r = subprocess.run([sys.executable, "-c", _RUNNER, str(path), json.dumps([[int(i) for i in p] for p in prompts]),
-                            out],
+                            out, str(context_for(prompts))],
                            capture_output=True, text=True, timeout=timeout)
         if r.returncode == 3:
             raise Missing("llama_cpp", (r.stderr.strip().splitlines() or [""])[-1])
+        if r.returncode in (4, -9):
+            tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-1:]
+            raise CannotRun("llama.cpp could not allocate what the probe needs on this machine ("
+                            + ("killed, signal 9" if r.returncode == -9 else " | ".join(tail)[-300:]) + ")")
+        if info is not None and os.path.exists(out + ".json"):
+            with open(out + ".json") as f:
+                info.update(json.load(f))
         if r.returncode != 0:
             tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-2:]
             how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
@@ -328,10 +360,14 @@ def runtime_check(res: VerifyResult, path: Path, student: ConvertedModel, prompt
                   names, cache: Dict[str, Any]) -> None:
     name = "llama.cpp runtime"
     prompts = prompts_for(prompt, int(student.config["vocab_size"]))
+    info: Dict[str, Any] = {}
     try:
-        got = run_llama_cpp(path, prompts)
+        got = run_llama_cpp(path, prompts, info=info)
     except Missing as e:
         res.missing("logits", name, e)
+        return
+    except CannotRun as e:
+        res.add("logits", name, INCOMPLETE, f"not run: {e}", source=SOURCE)
         return
     except Exception as e:
         res.add("logits", name, FAIL, f"{type(e).__name__}: {e}", source=SOURCE)
@@ -367,7 +403,7 @@ def runtime_check(res: VerifyResult, path: Path, student: ConvertedModel, prompt
     am_eq = got.argmax(-1) == emu.argmax(-1)
     argmax_ok = bool(am_eq[decisive].all())
     res.logits["llama.cpp"] = {
-        "prompts": len(prompts), "kl_max": float(kl.max()), "kl_per_prompt": kl.tolist(),
+        "prompts": len(prompts), "n_ctx": info.get("n_ctx"), "kl_max": float(kl.max()), "kl_per_prompt": kl.tolist(),
         "kl_q8_effect_max": float(q8.max()), "kl_q8_per_prompt": q8.tolist(),
         "kl_tipped_per_prompt": amb.tolist(), "kl_bound_per_prompt": bound.tolist(), "kl_bound": float(bound.min()),
         "best_prompt": best, "kl_best": float(kl[best]), "kl_best_bound": float(tight[best]),
@@ -393,5 +429,5 @@ def runtime_check(res: VerifyResult, path: Path, student: ConvertedModel, prompt
                    diff, SOURCE)
 
 
-__all__ = ["runtime_check", "run_llama_cpp", "emulated_logits", "prompts_for", "q8_0", "q8_0_ref", "q8_k",
+__all__ = ["runtime_check", "run_llama_cpp", "context_for", "CannotRun", "emulated_logits", "prompts_for", "q8_0", "q8_0_ref", "q8_k",
            "VEC_DOT", "KL_RATIO", "AMB_FACTOR"]

@@ -53,6 +53,8 @@ from .common import (
     tied,
     written_dense,
 )
+from .config_sizes import config_size_problems
+from .files import check_files
 from .result import FAIL, INCOMPLETE, OK, Malformed, Missing, VerifyResult, need
 
 # E2M1 magnitudes written out here (not imported) for the vLLM transcription
@@ -61,6 +63,7 @@ _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, 
 NV, MX, INT4 = Codec.E2M1_E4M3_FP32, Codec.E2M1_E8M0, Codec.INT4_FP16
 CT_FORMAT = {NV: "nvfp4-pack-quantized", MX: "mxfp4-pack-quantized", INT4: "pack-quantized"}
 INDEX = "model.safetensors.index.json"
+TEMPLATES_DIR = "additional_chat_templates"   # transformers' named chat templates, one .jinja each
 # files an engine reads beside the weights, copied from the student's base model directory
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
                 "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
@@ -232,6 +235,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
         return
     want = expected_tensors(student, flavour, layout, mode) | ({LM_HEAD} if untie else set()) | \
         set(KVG.expected_scale_tensors(student, flavour))
+    sizes = config_size_problems(cfg, sd)
+    if sizes:   # the rows below compare; only the models built from this config are left out
+        res.add("config.json", "sizes == tensors", FAIL, "; ".join(sizes[:4]) + "; no model was built from this "
+                "config")
     extra, lost = set(sd) - want, want - set(sd)
     res.ok_or_fail("tensors", "none extra", not extra, f"{len(extra)} tensors the student does not have: "
                    + names_sample(extra) if extra else f"{len(sd)} tensors, all expected")
@@ -289,9 +296,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     KVG.check_scale_tensors(res, sd, student, flavour)
     KVG.check_scales_survive_serving(res, sd, student, flavour, cfg)
     _source_files(res, d, student)
-    if flavour == "compressed-tensors":
+    check_files(res, d, _expected_files(d, student, flavour))
+    if not sizes and flavour == "compressed-tensors":   # both build a skeleton from config.json
         _ct_skeleton(res, d, student)
-    else:
+    elif not sizes:
         _modelopt_exclusion(res, d, student, qc)
     if flavour == "modelopt":
         res.notes.append("ModelOpt NVFP4: decoded with nvidia-modelopt's NVFP4QTensor.dequantize and a labelled "
@@ -301,6 +309,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     # ---- logits
     if not do_logits:
         res.opted_out("logits", "transformers", "--no-logits / logits=False")
+        return
+    if sizes:
+        res.add("logits", "transformers", FAIL, "not attempted: config.json claims sizes its tensors do not hold "
+                                                "(above)")
         return
     if any(c.status == FAIL for c in res.checks if c.tensor in ("tensors",) or c.check == "bytes"):
         res.add("logits", "transformers", FAIL, "not attempted: the export's tensors are incomplete or differ (above)")
@@ -592,11 +604,36 @@ def _fused_scales(res, sd, student, flavour) -> None:
                                f"shared{suf}", same, f"{len(vals)} shards (the engine fuses them into one layer)")
 
 
+def _templates(d: Optional[Path]) -> List[str]:
+    """additional_chat_templates/*.jinja under ``d`` (transformers loads each as a named template)."""
+    t = d / TEMPLATES_DIR if d is not None else None
+    if t is None or t.is_symlink() or not t.is_dir():
+        return []
+    return sorted(f"{TEMPLATES_DIR}/{p.name}" for p in t.iterdir() if p.name.endswith(".jinja"))
+
+
+def _expected_files(d: Path, student: ConvertedModel, flavour: str) -> List[str]:
+    """What the container holds for this student: the record, config(s), the weights the index names
+    (or model.safetensors), and the source files (judged by value in the "source files" row)."""
+    out = ["qatfactory.json", "config.json"] + (["hf_quant_config.json"] if flavour == "modelopt" else [])
+    if (d / INDEX).exists() or (d / INDEX).is_symlink():
+        out.append(INDEX)
+        try:
+            wm = read_json(d, INDEX).get("weight_map")
+            out += sorted({v for v in wm.values() if isinstance(v, str)}) if isinstance(wm, dict) else []
+        except Malformed:
+            pass   # the tensors row names what is wrong with the index
+    else:
+        out.append("model.safetensors")
+    src = Path(student.source_dir) if student.source_dir else None
+    return out + list(SOURCE_FILES) + sorted(set(_templates(d)) | set(_templates(src)))
+
+
 def _source_files(res, d: Path, student: ConvertedModel) -> None:
-    """Tokenizer, generation config and chat template as the engine reads them: byte-equal to the
+    """Tokenizer, generation config and chat templates as the engine reads them: byte-equal to the
     student's base model directory (ConvertedModel.source_dir), nothing the student does not have."""
     src = Path(student.source_dir) if student.source_dir else None
-    shipped = [n for n in SOURCE_FILES if (d / n).exists() or (d / n).is_symlink()]
+    shipped = [n for n in SOURCE_FILES if (d / n).exists() or (d / n).is_symlink()] + _templates(d)
     if src is None or not any((src / n).is_file() for n in SOURCE_FILES):
         if shipped:  # the student cannot vouch for them: say where the truth would be, never pass
             res.add("source files", "== student's source_dir", INCOMPLETE,
@@ -607,7 +644,8 @@ def _source_files(res, d: Path, student: ConvertedModel) -> None:
             res.add("source files", "== student's source_dir", OK, "none (the student has no tokenizer files)")
         return
     bad, n = [], 0
-    for name in SOURCE_FILES:
+    for name in list(SOURCE_FILES) + sorted(set(_templates(d)) | set(_templates(src))):
+        sub, _, leaf = name.rpartition("/")
         mine = src is not None and (src / name).is_file()
         there = (d / name).exists() or (d / name).is_symlink()
         if not mine and not there:
@@ -620,7 +658,7 @@ def _source_files(res, d: Path, student: ConvertedModel) -> None:
             bad.append(f"{name} is not in the student's source_dir ({src}), so nothing vouches for it")
             continue
         try:
-            if inside(d, name).read_bytes() != (src / name).read_bytes():
+            if inside(d / sub if sub else d, leaf).read_bytes() != (src / name).read_bytes():
                 bad.append(f"{name} differs from {src / name}")
         except Malformed as e:
             bad.append(str(e))

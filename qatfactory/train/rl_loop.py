@@ -533,6 +533,12 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
         return out, student
     if r.lora_mode == "adapter":
         out["adapter_dir"] = AD.save_peft_adapter(lm, str(run_dir / "adapter"), base_model=source_dir)
+        # the adapter as trained, held apart from the file: the face's gate compares the folder with it
+        student.adapter = {"dir": out["adapter_dir"], "rank": r.lora_rank, "alpha": r.lora_alpha,
+                           "modules": {n: (a.lora_A.detach().cpu().clone(), a.lora_B.detach().cpu().clone())
+                                       for n, a in AD.adapters(lm).items()},
+                           "linears": [n for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)
+                                       or hasattr(m, "in_features") and hasattr(m, "weight")]}
     elif cfg.train.save_student:
         Q.save_student(lm, str(run_dir / "student"))
         out["student_dir"] = student.student_dir = str(run_dir / "student")

@@ -64,6 +64,9 @@ class Student:
     ship: Optional[Dict[str, Any]] = None
     native_base: Optional[str] = None
     training_logits: Optional[Callable[[List[int]], Tuple[torch.Tensor, str]]] = None
+    # a LoRA adapter folder the run ships beside the export: {"dir", "rank", "alpha", "modules":
+    # {name: (lora_A, lora_B)} as trained, "linears"}; the face gates the folder against it
+    adapter: Optional[Dict[str, Any]] = None
 
     def request(self, cfg, run_dir: Path, export_dir: Optional[str] = None) -> "Student":
         """Fill ``ship`` from cfg.export (export_dir: the target rundir.prepare checked before training)."""
