@@ -30,6 +30,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -218,6 +219,24 @@ def _check_hf_config(d, cfg: Dict[str, Any]) -> None:
                              f"(dense linears only)")
 
 
+def _check_claimed_sizes(where, cfg: Dict[str, Any], names, layer_pattern: str,
+                         embed: Optional[Tuple[int, int]]) -> None:
+    """The config's layer count, vocabulary and width against the tensors present, before a model is built from
+    the config: a file claiming 200 million layers over two would otherwise have a skeleton of every claimed
+    layer made (minutes, gigabytes) before any tensor is compared. ``embed`` is (vocab rows, width)."""
+    pat = re.compile(layer_pattern)
+    ids = sorted({int(m.group(1)) for n in names for m in [pat.match(n)] if m})
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n != len(ids) or ids != list(range(len(ids))):
+        held = f"{len(ids)} layer{'' if len(ids) == 1 else 's'}" + (f" ({ids[0]} .. {ids[-1]})" if ids else "")
+        raise CorruptFileError(f"{where}: num_hidden_layers={n!r} claimed; the tensors hold {held}")
+    if embed is not None:
+        for key, held in (("vocab_size", embed[0]), ("hidden_size", embed[1])):
+            v = cfg.get(key)
+            if v is not None and v != held:
+                raise CorruptFileError(f"{where}: {key}={v!r} claimed; the embedding tensor holds {held}")
+
+
 def _read_safetensors(d: Path) -> NativeCheckpoint:
     cfg = _json(d, "config.json")
     container, layout, w4a4 = _qconfig(d, cfg)
@@ -238,6 +257,9 @@ def _read_safetensors(d: Path) -> NativeCheckpoint:
             raise
         except Exception as e:
             raise CorruptFileError(f"{d / fn}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    emb = sd.get("model.embed_tokens.weight")
+    _check_claimed_sizes(d / "config.json", cfg, sd, r"^model\.layers\.(\d+)\.",
+                         tuple(emb.shape) if emb is not None and emb.ndim == 2 else None)
     packed: Dict[str, PackedTensor] = {}
     fmt = "nvfp4" if layout == "nvfp4" else "mxfp4"
     code_key = ".weight" if container == "modelopt" else ".weight_packed"
@@ -343,6 +365,9 @@ def _read_gguf(d: Path, name: str) -> NativeCheckpoint:
                              f"(MoE architectures are not implemented)")
     cfg = _gguf_config(reader, file)
     _check_hf_config(file, cfg)
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    _check_claimed_sizes(file, cfg, [t.name for t in reader.tensors], r"^blk\.(\d+)\.",
+                         (int(emb.shape[1]), int(emb.shape[0])) if emb is not None and len(emb.shape) == 2 else None)
     arch_key, permute = _GGUF_ARCH[arch]
     tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_key), int(cfg["num_hidden_layers"]))
     mt = cfg.pop("model_type")

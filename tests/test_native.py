@@ -383,3 +383,32 @@ def test_a_failed_scales_apply_is_marked_like_every_failed_export(bases, tmp_pat
     assert rc == 1 and "verdict: FAIL" in text and str(tmp_path / "task.FAILED") in text
     assert not out.exists()
     assert json.loads((tmp_path / "task.FAILED" / "FAILED.json").read_text())["verdict"] == "FAIL"
+
+
+def test_claimed_sizes_are_checked_against_the_tensors_before_a_model_is_built(bases, tmp_path):
+    """A base whose metadata claims 200 million layers (GGUF) or 4,000 (config.json) over a few is refused in one
+    line naming the claim and what the tensors hold, in about the time of reading the file: nothing is built
+    from the claim first."""
+    import json as _json
+    import shutil
+    import time
+
+    import gguf as _gguf
+    g = tmp_path / "g"
+    shutil.copytree(bases["gguf_nvfp4"], g)
+    r = _gguf.GGUFReader(str(g / "model.gguf"), "r+")
+    f = r.fields["llama.block_count"]
+    f.parts[f.data[0]][0] = 200_000_000
+    del r
+    s = tmp_path / "s"
+    shutil.copytree(bases["ct_nvfp4"], s)
+    cfg = _json.loads((s / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4000
+    (s / "config.json").write_text(_json.dumps(cfg))
+    for path, claim in ((g, r"num_hidden_layers=200000000 claimed; the tensors hold \d+ layer"),
+                        (s, r"num_hidden_layers=4000 claimed; the tensors hold \d+ layer")):
+        t = time.time()
+        with pytest.raises(BadInputError, match=claim) as e:
+            N.build_model(N.read_native(path))
+        assert e.value.exit_code == BAD_INPUT and "\n" not in str(e.value)
+        assert time.time() - t < 30
