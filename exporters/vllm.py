@@ -155,7 +155,10 @@ class SafetensorsExporter(Exporter):
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
         emb = sorted(n for n in converted.packed if tensor_role(n) == "token_embd")
-        if emb:
+        # the embedding advice only when the rest of the student fits this container: otherwise keeping the
+        # embeddings wide leads to the next refusal (layout_for names the format that does not fit)
+        rest = [p for n, p in converted.packed.items() if n not in emb]
+        if emb and all(spec_of(p).safetensors is not None for p in rest):
             raise ExportError(
                 f"{self.engine}/{flavour}: {emb[0]} is quantized ({converted.packed[emb[0]].format}); vLLM and SGLang "
                 f"keep embeddings in the model dtype (their checkpoints have no quantized embedding), so the engine "

@@ -92,8 +92,10 @@ def train_main(argv: List[str]) -> int:
               file=sys.stderr)
         return X.USAGE
     try:
+        from .ship import check_request  # noqa: PLC0415 (CLI start)
         from .train.config import compose  # noqa: PLC0415 (CLI start)
         cfg = compose(argv)
+        check_request(cfg)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
