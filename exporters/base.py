@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
+from qatfactory._inputs import read_json
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format
 
 QATFACTORY_JSON = "qatfactory.json"
@@ -395,8 +396,7 @@ def read_record(export_dir) -> Dict[str, Any]:
     p = Path(export_dir) / QATFACTORY_JSON
     if not p.is_file():
         raise FileNotFoundError(f"{export_dir}: no {QATFACTORY_JSON}; not a qatfactory export")
-    with open(p) as f:
-        return json.load(f)
+    return read_json(p, want=dict, finite=False)
 
 
 # ------------------------------------------------------------------------------ files
