@@ -133,7 +133,8 @@ def safetensors_shapes(model_dir) -> Dict[str, List[int]]:
     return out
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# the decoder's own blocks (a vision tower's "encoder.layers.N" is not counted)
+_LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 # the config keys a decoder's tensors pin down: (key, tensor-name suffix, shape index)
 _PINNED = (("vocab_size", "embed_tokens.weight", 0), ("hidden_size", "embed_tokens.weight", 1))
 
@@ -162,8 +163,8 @@ def check_model_config(model_dir, config: Optional[Dict[str, Any]] = None) -> Di
                                f"0..{max(layers)}; allowed: {max(layers) + 1}")
     for key, suffix, i in _PINNED:
         v = cfg.get(key)
-        emb = [s for n, s in shapes.items() if n.endswith(suffix) and len(s) == 2]
-        if v is not None and emb and emb[0][i] != v:
-            raise CorruptFileError(f"{cpath}: {key} = {v}, but the safetensors files hold {suffix} of shape "
-                                   f"{emb[0]}; allowed: {emb[0][i]}")
+        emb = [(n, s) for n, s in shapes.items() if n.endswith(suffix) and len(s) == 2]
+        if v is not None and emb and emb[0][1][i] != v:
+            raise CorruptFileError(f"{cpath}: {key} = {v}, but the safetensors files hold {emb[0][0]} of shape "
+                                   f"{emb[0][1]}; allowed: {emb[0][1][i]}")
     return cfg

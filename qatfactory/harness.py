@@ -233,6 +233,9 @@ def build_lm(target: Path, kind: str, tok, opts: Dict[str, str]):
         model = load_student(str(target), dtype=dtypes[dt])
     else:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
+
+        from ._inputs import check_model_config  # noqa: PLC0415 (CLI start)
+        check_model_config(target)      # config.json with limits and against the weights, before it is built
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtypes[dt])
     model.to(device).eval()
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 (heavy: HFLM loads torch, transformers, accelerate)
