@@ -107,13 +107,13 @@ def safetensors_header(path) -> Dict[str, Any]:
             n = struct.unpack("<Q", raw)[0]
             if n > MAX_HEADER_BYTES or n > p.stat().st_size - 8:
                 raise CorruptFileError(f"{p}: safetensors header length {n:,}; allowed: at most "
-                                       f"{min(MAX_HEADER_BYTES, p.stat().st_size - 8):,} (the file is damaged)")
+                                       f"{min(MAX_HEADER_BYTES, p.stat().st_size - 8):,} (the file is truncated or damaged)")
             text = f.read(n).decode("utf-8")
     except UnicodeDecodeError:
-        raise CorruptFileError(f"{p}: safetensors header is not UTF-8 (the file is damaged)") from None
+        raise CorruptFileError(f"{p}: safetensors header is not UTF-8 (the file is truncated or damaged)") from None
     head = loads(text, f"{p} (safetensors header)", max_depth=8)
     if not isinstance(head, dict):
-        raise CorruptFileError(f"{p}: safetensors header is no JSON object (the file is damaged)")
+        raise CorruptFileError(f"{p}: safetensors header is no JSON object (the file is truncated or damaged)")
     head.pop("__metadata__", None)
     return head
 
