@@ -27,6 +27,7 @@ from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
 from qatfactory._inputs import read_json
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format
+from qatfactory.formats.layouts import FLAVOUR_ALIASES
 
 QATFACTORY_JSON = "qatfactory.json"
 
@@ -86,8 +87,7 @@ class Exporter:
     def resolve_flavour(self, flavour: Optional[str]) -> str:
         if flavour is None:
             return self.flavours[0]
-        aliases = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
-        flavour = aliases.get(flavour, flavour)
+        flavour = FLAVOUR_ALIASES.get(flavour, flavour)
         if flavour not in self.flavours:
             raise ValueError(f"{self.engine} exporter: flavour={flavour!r}; allowed: {list(self.flavours)}")
         return flavour

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from qatfactory.formats import ConvertedModel, get_format
-from qatfactory.formats.layouts import Codec, SafetensorsLayout
+from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
@@ -109,7 +109,7 @@ def _format_error(engine: str, flavour: str, fmt: str, why: str) -> ExportError:
 
 
 class SafetensorsExporter(Exporter):
-    flavours = ("modelopt", "compressed-tensors")
+    flavours = ENGINE_FLAVOURS["vllm"]
 
     # ---------------------------------------------------------------- checks
     def layout_for(self, converted: ConvertedModel, flavour: str) -> SafetensorsLayout:

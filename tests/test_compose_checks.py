@@ -155,10 +155,20 @@ def test_an_export_the_format_cannot_hold_is_refused_before_training(capsys, tmp
     _refused(capsys, tmp_path, BASE + ["format=q4_k", "export=sglang", "quant.quantize_embeddings=false"], X.USAGE,
              "export=sglang with format=q4_k: format 'q4_k' declares no safetensors layout")
     _refused(capsys, tmp_path, BASE + ["format=mxfp4_gguf", "export=vllm"], X.USAGE, "declares no safetensors layout")
+    # the default container variant of export=vllm (ModelOpt) holds NVFP4 only
+    _refused(capsys, tmp_path, BASE + ["format=mxfp4_w4a16", "export=vllm"], X.USAGE,
+             "export.flavour=null (export=vllm writes modelopt then) cannot hold format 'mxfp4'",
+             "allowed: export.flavour=compressed-tensors")
+    _refused(capsys, tmp_path, BASE + ["format=nvfp4_w4a16", "export=sglang", "export.flavour=onnx"], X.USAGE,
+             "export.flavour='onnx' is no flavour of export=sglang; allowed: ['modelopt', 'compressed-tensors']")
+    from qatfactory.train.config import compose
+    # the advice of each refusal composes
+    for over in (["format=nvfp4_w4a16", "export=vllm"], ["format=q4_k", "export=llama_cpp"],
+                 ["format=mxfp4_w4a16", "export=vllm", "export.flavour=compressed-tensors"]):
+        assert compose(over).export.enabled
     for m in ("dapo", "grpo"):
         _refused(capsys, tmp_path, ["train=cpu_tiny", f"method={m}", "format=q4_k", "export=llama_cpp"], X.USAGE,
                  f"method={m} with export=llama_cpp", "GGUF LoRA adapters are not supported")
-    from qatfactory.train.config import compose
     assert compose(["method=dapo", "format=q4_k", "export=llama_cpp", "method.rl.export_lora=merge"]).export.enabled
     # an architecture the GGUF writer does not know, read from config.json before anything is built
     gpt = tmp_path / "gpt"

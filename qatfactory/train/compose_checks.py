@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from ..exitcodes import BadInputError, UsageError
 from ..formats import get_format, list_formats
-from ..formats.layouts import ENGINE_CONTAINER
+from ..formats.layouts import ENGINE_CONTAINER, ENGINE_FLAVOURS, FLAVOUR_ALIASES
 from ..formats.policy import POLICY_FORMATS
 from ..quantize.config import POLICY_TARGETS, QuantConfig, presets
 
@@ -138,14 +138,33 @@ def export_refusal(q: QuantConfig, engine: str):
     return None
 
 
+def flavour_refusal(q: QuantConfig, engine: str, flavour) -> str:
+    """Why ``engine``'s container variant ``flavour`` (None: its default) cannot hold ``q``, or None."""
+    allowed = ENGINE_FLAVOURS[engine]
+    f = FLAVOUR_ALIASES.get(flavour, flavour) if flavour is not None else allowed[0]
+    if f not in allowed:
+        return f"export.flavour={flavour!r} is no flavour of export={engine}; allowed: {list(allowed)}"
+    if f == "modelopt":
+        bad = [g for g in weight_formats(q) if getattr(get_format(g).spec.safetensors, "modelopt_algo", None) is None]
+        if bad:
+            return (f"export.flavour={flavour or 'null'} (export={engine} writes {f} then) cannot hold format "
+                    f"{bad[0]!r}: its spec declares no ModelOpt quant_algo; allowed: export.flavour=compressed-tensors")
+    return None
+
+
 def check_export(cfg, no_quant) -> None:
     e, q = cfg.export, cfg.quant
     if not e.enabled or q.weight_format in no_quant:
         return
     why = export_refusal(q, e.engine)
     if why is None:
+        why = flavour_refusal(q, e.engine, e.flavour)
+        if why is not None:
+            raise ValueError(f"export={e.engine} with format={q.name or q.weight_format}: {why}")
+    if why is None:
         return
-    fits = sorted(n for n in presets() if export_refusal(QuantConfig.preset(n), e.engine) is None)
+    fits = sorted(n for n in presets() if export_refusal(QuantConfig.preset(n), e.engine) is None
+                  and flavour_refusal(QuantConfig.preset(n), e.engine, e.flavour) is None)
     others = [g for g in ENGINE_CONTAINER if g != e.engine and export_refusal(q, g) is None]
     hint = ("; or quant.quantize_embeddings=false" if "quantize_embeddings" in why and
             export_refusal(dataclasses.replace(q, quantize_embeddings=False), e.engine) is None else "")

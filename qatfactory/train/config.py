@@ -280,7 +280,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     if t.quant_lr is not None and not t.quant_lr > 0:
         raise ValueError(f"train.quant_lr={t.quant_lr!r}; allowed: a number > 0, or null (= train.lr)")
     quant_start.check(cfg, method)
-    CC.check_export(cfg, NO_QUANT)
+    if not method.needs.native_base:     # a native base's own format is known only once it is read
+        CC.check_export(cfg, NO_QUANT)
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
     elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
