@@ -136,7 +136,9 @@ def safetensors_shapes(model_dir) -> Dict[str, List[int]]:
 # the decoder's own blocks (a vision tower's "encoder.layers.N" is not counted)
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 # the config keys a decoder's tensors pin down: (key, tensor-name suffix, shape index)
-_PINNED = (("vocab_size", "embed_tokens.weight", 0), ("hidden_size", "embed_tokens.weight", 1))
+_PINNED = (("vocab_size", "embed_tokens.weight", 0), ("hidden_size", "embed_tokens.weight", 1),
+           ("intermediate_size", "model.layers.0.mlp.gate_proj.weight", 0),
+           ("intermediate_size", "model.layers.0.mlp.gate_proj.weight_packed", 0))
 
 
 def check_model_config(model_dir, config: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

@@ -197,6 +197,8 @@ def test_config_sizes_are_checked_against_the_weights_before_a_model_is_built(ca
              ({"vocab_size": 2 ** 40}, f"vocab_size = {2 ** 40}, but the safetensors files hold "
                                        f"model.embed_tokens.weight of shape [259, 32]; allowed: 259"),
              ({"hidden_size": 4096}, "hidden_size = 4096"),
+             ({"intermediate_size": 1 << 20}, "intermediate_size = 1048576, but the safetensors files hold "
+                                              "model.layers.0.mlp.gate_proj.weight of shape [64, 32]; allowed: 64"),
              ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan; allowed: a finite number"),
              ({"num_attention_heads": -2}, "num_attention_heads = -2; allowed: an int >= 1")]
     for i, (bad, msg) in enumerate(cases):
