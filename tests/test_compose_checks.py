@@ -277,3 +277,18 @@ def test_a_damaged_student_is_refused_by_file_and_field(student, tmp_path, capsy
     assert rc == X.BAD_INPUT and len(err) == 1 and field in err[0], err
     assert ("config.json" if record == "NAN" else "qatfactory_quant.json") in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_malformed_training_file_is_exit_4_naming_the_record(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    cases = [(['{"text": "fine"}', '{"txt": "typo"}'], f"data: {bad} record 1 has neither 'text' nor"),
+             (['{"text": "fine"}', "[1, 2]"], f"data: {bad} record 1 is a JSON list; allowed: an object"),
+             (['{"messages": "hello"}'], "field 'messages' = 'hello'; allowed: a list of"),
+             (['{"text": "fine"}', "{oops"], f"data: {bad}:2: not valid JSON"),
+             (['{"text": ' + "[" * 500 + "]" * 500 + "}"], f"data: {bad}:1: JSON nested deeper")]
+    for i, (lines, text) in enumerate(cases):
+        bad.write_text("\n".join(lines) + "\n")
+        rc, out, err = _train(capsys, "train=cpu_tiny", "format=bf16", "method=qat", f"data.train=[{bad}]",
+                              "data.seq_len=8", f"run_dir={tmp_path / f'r{i}'}")
+        assert rc == X.BAD_INPUT and text in out[-1], (text, err[-1500:])
+        assert "Traceback" not in err
