@@ -43,12 +43,9 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from qatfactory._inputs import read_json
+from qatfactory._inputs import TOKENIZER_MAX_BYTES, read_json
 
 from .base import ExportError
-
-# tokenizer.json of large vocabularies runs to tens of MB (Gemma's ~33 MB)
-TOKENIZER_MAX_BYTES = 256 * 2**20
 
 # the pre-tokenizer regexes of the tokenizer families (as their tokenizer.json files spell them)
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

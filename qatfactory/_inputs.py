@@ -26,6 +26,7 @@ from .exitcodes import CorruptFileError
 
 MAX_BYTES = 64 * 2**20          # config and record files are kilobytes; large tokenizer.json files ~35 MB
 MAX_DEPTH = 64                  # Hugging Face configs and tokenizers nest about 5 deep
+TOKENIZER_MAX_BYTES = 256 * 2**20  # tokenizer.json of large vocabularies (Gemma's ~33 MB)
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference reader's own limit on a header
 # an unquoted string body (escapes included) and everything that is not a bracket
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
@@ -155,6 +156,11 @@ def check_model_config(model_dir, config: Optional[Dict[str, Any]] = None) -> Di
         v = cfg.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise CorruptFileError(f"{cpath}: {k} = {v!r}; allowed: an int >= 1")
+    # the other JSON files a loader parses from the folder, under the same limits (NaN aside: not ours to judge)
+    for name, limit in (("tokenizer_config.json", MAX_BYTES), ("generation_config.json", MAX_BYTES),
+                        ("special_tokens_map.json", MAX_BYTES), ("tokenizer.json", TOKENIZER_MAX_BYTES)):
+        if (d / name).is_file():
+            read_json(d / name, max_bytes=limit, finite=False)
     shapes = safetensors_shapes(d)
     if not shapes:
         return cfg

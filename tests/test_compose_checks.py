@@ -206,6 +206,10 @@ def test_config_sizes_are_checked_against_the_weights_before_a_model_is_built(ca
         with pytest.raises(X.CorruptFileError, match=None) as e:
             check_model_config(d)
         assert msg in str(e.value) and str(d / "config.json") in str(e.value), str(e.value)
+    d = _copy(hf_dir, tmp_path / "deep")
+    (d / "tokenizer_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(X.CorruptFileError, match=r"tokenizer_config.json: JSON nested deeper than 64 levels"):
+        check_model_config(d)
     # through the command: exit 4 in seconds, not a 4,000-layer model first
     d = tmp_path / "m0"
     t0 = time.time()
