@@ -296,3 +296,18 @@ def test_a_malformed_training_file_is_exit_4_naming_the_record(capsys, tmp_path)
                               "data.seq_len=8", f"run_dir={tmp_path / f'r{i}'}")
         assert rc == X.BAD_INPUT and text in out[-1], (text, err[-1500:])
         assert "Traceback" not in err
+
+
+def test_eval_of_a_checkpoint_composed_before_these_checks(tmp_path, text):
+    """A run composed when random tokens won over data.train (and whose export these checks would refuse) is
+    evaluated as it trained: on its random tokens, exporting nothing."""
+    from test_train import _run
+    d = tmp_path / "run"
+    _run(d, "train.max_steps=2", "format=nvfp4_w4a16")
+    c = d / "checkpoints" / "step-000002"
+    st = json.loads((c / "trainer_state.json").read_text())
+    st["config"]["data"]["train"] = [str(text)]
+    st["config"]["export"].update({"enabled": True, "engine": "vllm", "flavour": "onnx"})
+    (c / "trainer_state.json").write_text(json.dumps(st))
+    assert cli.main(["eval", "--checkpoint", str(c)]) == 0
+    assert json.loads((d / "eval-step-000002.json").read_text())["steps"] == 2
