@@ -134,6 +134,10 @@ def test_a_trained_model_never_falls_back_to_random_tokens(capsys, tmp_path, hf_
     assert compose(["model=local", f"model.path={hf_dir}", "method=grpo"]).method.name == "grpo"
     # a model folder that is not there is a bad input (exit 4), named
     _refused(capsys, tmp_path, ["model=local", f"model.path={tmp_path}/gone"], X.BAD_INPUT, f"{tmp_path}/gone")
+    _refused(capsys, tmp_path, BASE + [f"model.tokenizer={tmp_path}/tok"], X.BAD_INPUT,
+             f"model.tokenizer='{tmp_path}/tok' does not exist")
+    _refused(capsys, tmp_path, BASE + [f"method.teacher_path={tmp_path}/t"], X.BAD_INPUT,
+             f"method.teacher_path='{tmp_path}/t' does not exist")
 
 
 def test_a_real_model_trains_on_the_named_text(tmp_path, hf_dir, text):

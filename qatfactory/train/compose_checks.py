@@ -100,8 +100,11 @@ def check_data_source(cfg) -> None:
 def check_inputs(cfg, method, asked_synthetic: bool) -> None:
     """The files the settings name exist, and a trained model reads real text (see the module docstring)."""
     m = cfg.model
-    if m.path is not None and not Path(m.path).exists():
-        raise BadInputError(f"model.path={m.path!r} does not exist (a local Hugging Face model directory)")
+    for fld, v in (("model.path", m.path), ("model.tokenizer", m.tokenizer), ("method.teacher_path",
+                                                                            cfg.method.teacher_path)):
+        # never looked up on a model hub: a name that is not here is a folder that is missing
+        if v is not None and not Path(v).exists():
+            raise BadInputError(f"{fld}={v!r} does not exist (a local Hugging Face model directory)")
     for fld, paths in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         for p in paths:
             if not Path(p).exists():
