@@ -25,7 +25,9 @@ from safetensors.torch import save_file
 
 from qatfactory import _fsutil as _fs
 from qatfactory._fsutil import check_replaceable
+from qatfactory._inputs import read_json
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format
+from qatfactory.formats.layouts import FLAVOUR_ALIASES
 
 QATFACTORY_JSON = "qatfactory.json"
 
@@ -85,8 +87,7 @@ class Exporter:
     def resolve_flavour(self, flavour: Optional[str]) -> str:
         if flavour is None:
             return self.flavours[0]
-        aliases = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
-        flavour = aliases.get(flavour, flavour)
+        flavour = FLAVOUR_ALIASES.get(flavour, flavour)
         if flavour not in self.flavours:
             raise ValueError(f"{self.engine} exporter: flavour={flavour!r}; allowed: {list(self.flavours)}")
         return flavour
@@ -395,8 +396,7 @@ def read_record(export_dir) -> Dict[str, Any]:
     p = Path(export_dir) / QATFACTORY_JSON
     if not p.is_file():
         raise FileNotFoundError(f"{export_dir}: no {QATFACTORY_JSON}; not a qatfactory export")
-    with open(p) as f:
-        return json.load(f)
+    return read_json(p, want=dict, finite=False)
 
 
 # ------------------------------------------------------------------------------ files

@@ -43,6 +43,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from qatfactory._inputs import TOKENIZER_MAX_BYTES, read_json
+
 from .base import ExportError
 
 # the pre-tokenizer regexes of the tokenizer families (as their tokenizer.json files spell them)
@@ -140,8 +142,7 @@ def write_tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], a
         # no tokenizer: llama.cpp accepts a vocabulary-less model and uses <arch>.vocab_size
         writer.add_tokenizer_model("none")
         return {"model": "none", "reason": "no tokenizer.json in source_dir"}
-    with open(tj) as f:
-        tok = json.load(f)
+    tok = read_json(tj, max_bytes=TOKENIZER_MAX_BYTES, want=dict)
     model = tok.get("model", {})
     if model.get("type") != "BPE":
         raise NotImplementedError(f"{tj}: tokenizer model type {model.get('type')!r}; the GGUF exporter writes "
@@ -205,8 +206,7 @@ def write_tokenizer_kv(writer, source_dir: Optional[str], cfg: Dict[str, Any], a
     writer.add_add_space_prefix(bool(space_prefix))
     tcfg = {}
     if (src / "tokenizer_config.json").is_file():
-        with open(src / "tokenizer_config.json") as f:
-            tcfg = json.load(f)
+        tcfg = read_json(src / "tokenizer_config.json", max_bytes=TOKENIZER_MAX_BYTES, want=dict)
 
     # ---- special tokens and what encode() adds, from the tokenizer's behaviour
     probe = _probe_special(src)

@@ -45,7 +45,7 @@ import torch
 
 from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
-from qatfactory.formats.layouts import Codec, GGMLType, GGUFLayout
+from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, GGMLType, GGUFLayout
 
 from . import kv as KV  # issue 22: the cache type the student was trained for
 from .base import (
@@ -250,7 +250,7 @@ def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 @register_exporter("llama_cpp")
 class LlamaCppExporter(Exporter):
-    flavours = ("gguf",)
+    flavours = ENGINE_FLAVOURS["llama_cpp"]
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
         mt = converted.config.get("model_type")

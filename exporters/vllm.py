@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from qatfactory.formats import ConvertedModel, get_format
-from qatfactory.formats.layouts import Codec, SafetensorsLayout
+from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
@@ -109,7 +109,7 @@ def _format_error(engine: str, flavour: str, fmt: str, why: str) -> ExportError:
 
 
 class SafetensorsExporter(Exporter):
-    flavours = ("modelopt", "compressed-tensors")
+    flavours = ENGINE_FLAVOURS["vllm"]
 
     # ---------------------------------------------------------------- checks
     def layout_for(self, converted: ConvertedModel, flavour: str) -> SafetensorsLayout:
@@ -155,7 +155,10 @@ class SafetensorsExporter(Exporter):
 
     def check(self, converted: ConvertedModel, flavour: str, **options) -> None:
         emb = sorted(n for n in converted.packed if tensor_role(n) == "token_embd")
-        if emb:
+        # the embedding advice only when the rest of the student fits this container: otherwise keeping the
+        # embeddings wide leads to the next refusal (layout_for names the format that does not fit)
+        rest = [p for n, p in converted.packed.items() if n not in emb]
+        if emb and all(spec_of(p).safetensors is not None for p in rest):
             raise ExportError(
                 f"{self.engine}/{flavour}: {emb[0]} is quantized ({converted.packed[emb[0]].format}); vLLM and SGLang "
                 f"keep embeddings in the model dtype (their checkpoints have no quantized embedding), so the engine "

@@ -1,6 +1,6 @@
 """Directories written atomically, and replaced only when they are provably ours.
 
-A leaf module (the standard library and exitcodes only; safetensors imported where used), so every layer may import it: exporters, quantize's
+A leaf module (the standard library, exitcodes and _inputs only; safetensors imported where used), so every layer may import it: exporters, quantize's
 save_student, the trainer's checkpoints and run directories.
 
 "Provably ours" means the directory holds the record its writer leaves in it:
@@ -30,7 +30,6 @@ as before.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -41,6 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
+from ._inputs import read_json
 from .exitcodes import BAD_INPUT, CorruptFileError, UnsafeFileError
 
 EXPORT_RECORD = "qatfactory.json"
@@ -127,9 +127,8 @@ def own_file(folder, name: str, what: str) -> Path:
 
 def _has_json_key(p: Path, key: str) -> bool:
     try:
-        with open(p) as f:
-            d = json.load(f)
-    except (OSError, ValueError):
+        d = read_json(p, finite=False)
+    except (OSError, ValueError):      # CorruptFileError too: a damaged record is not ours
         return False
     return isinstance(d, dict) and key in d
 

@@ -92,8 +92,10 @@ def train_main(argv: List[str]) -> int:
               file=sys.stderr)
         return X.USAGE
     try:
+        from .ship import check_request  # noqa: PLC0415 (CLI start)
         from .train.config import compose  # noqa: PLC0415 (CLI start)
         cfg = compose(argv)
+        check_request(cfg)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
     try:
@@ -192,6 +194,12 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
                          f"plugins=[{','.join(saved)}]")
     if not given:
         d["plugins"] = []
+    # evaluation exports nothing: an export setting the checks would refuse today is not this command's business
+    d["export"] = {**(d.get("export") or {}), "enabled": False}
+    dd = d.get("data") or {}
+    if dd.get("synthetic") and dd.get("train"):
+        # a run composed when random tokens won over data.train: it trained on random tokens, evaluate on them
+        d["data"] = {**dd, "train": []}
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))

@@ -14,7 +14,8 @@ perplexity and bits per byte on the 256 held-out Wikipedia articles of ``assets.
 ``qf_persuasion_ppl`` (the same on *Persuasion*, chapter by chapter) run offline from the packages;
 ``qf_arc_easy``, ``qf_arc_challenge``, ``qf_hellaswag`` read **your** copy of those sets
 (``data_files=PATH`` or ``data_files=task:PATH,task:PATH``; JSONL / JSON / parquet in the Hugging Face
-layout). ``include=DIR`` adds your own task YAMLs; lm-eval's built-in tasks (hub datasets) need ``hub=true``.
+layout). ``include=DIR`` adds your own task YAMLs (lm-eval imports the Python modules their ``!function`` tags
+name from that folder: code runs; a YAML may not reuse a built-in ``qf_*`` task name); lm-eval's built-in tasks (hub datasets) need ``hub=true``.
 
 Options: ``limit=N``, ``num_fewshot=K``, ``batch_size=N``, ``max_length=N`` (tokens per forward / rolling
 window; default the model's context, at most 2048), ``max_gen_toks=N``, ``device=cpu|cuda``,
@@ -108,10 +109,74 @@ def data_files_map(opts: Dict[str, str], tasks: List[str]) -> Dict[str, str]:
                                  f"write data_files=task:PATH,task:PATH (tasks: {list(USER_DATA_TASKS)})")
             task, path = users[0], item
         out[task] = path
+    extra = [t for t in out if t not in tasks]
+    if extra:
+        raise UsageError(f"qatfactory eval: data_files names {extra[0]}, a task not asked for; tasks asked: {tasks} "
+                         f"(add it to tasks= or drop its data_files entry)")
     for task, path in out.items():
         if not Path(path).is_file():
             raise BadInputError(f"qatfactory eval: data_files for {task}: {path} is not a file")
+        check_data_file(task, Path(path))
     return out
+
+
+# the columns each user-data task reads (the Hugging Face layout of its set) and what each must hold
+_STR, _LIST, _LABEL = "a string", "a list of strings", "a string or an int"
+DATA_FIELDS = {
+    "qf_arc_easy": {"question": _STR, "choices": "an object {text: [...], label: [...]}", "answerKey": _STR},
+    "qf_arc_challenge": {"question": _STR, "choices": "an object {text: [...], label: [...]}", "answerKey": _STR},
+    "qf_hellaswag": {"activity_label": _STR, "ctx_a": _STR, "ctx_b": _STR, "endings": _LIST, "label": _LABEL},
+}
+
+
+def _field_ok(kind: str, v) -> bool:
+    if kind == _STR:
+        return isinstance(v, str)
+    if kind == _LIST:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if kind == _LABEL:
+        return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.strip().isdigit())
+    return isinstance(v, dict) and all(isinstance(v.get(k), list) for k in ("text", "label")) \
+        and len(v["text"]) == len(v["label"]) and len(v["text"]) > 0
+
+
+def check_data_file(task: str, p: Path) -> None:
+    """Every record of a user's data file holds the fields the task reads, with their types, so a malformed
+    file ends here with one line (file, record, field, what is allowed) instead of inside lm-eval."""
+    need = DATA_FIELDS.get(task, {})
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq  # noqa: PLC0415 (optional: pyarrow, a datasets requirement)
+            cols = set(pq.read_schema(str(p)).names)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file are many
+            raise BadInputError(f"qatfactory eval: {p}: not a readable parquet file ({type(e).__name__})") from None
+        gone = sorted(set(need) - cols)
+        if gone:
+            raise BadInputError(f"qatfactory eval: {p}: no column {gone[0]!r}; {task} reads {sorted(need)}")
+        return
+    if p.suffix not in (".jsonl", ".json"):
+        raise BadInputError(f"qatfactory eval: {p}: allowed file types for data_files: .jsonl, .json, .parquet")
+    from ._inputs import loads  # noqa: PLC0415 (CLI start)
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        doc = loads(text, str(p))
+        recs = [(f"{p} record {i}", r) for i, r in enumerate(doc)]
+    else:
+        recs = [(f"{p}:{i + 1}", loads(line, f"{p}:{i + 1}")) for i, line in enumerate(text.splitlines())
+                if line.strip()]
+    if not recs:
+        raise BadInputError(f"qatfactory eval: {p}: no records; {task} reads one JSON object per line")
+    for where, r in recs:
+        if not isinstance(r, dict):
+            raise BadInputError(f"qatfactory eval: {where}: a JSON {type(r).__name__}; allowed: an object with "
+                                f"{sorted(need)}")
+        for k, kind in need.items():
+            if not _field_ok(kind, r.get(k)):
+                raise BadInputError(f"qatfactory eval: {where}: field {k!r} = {str(r.get(k, '(missing)'))[:40]!r}; "
+                                    f"allowed: {kind}")
+        if "answerKey" in need and r["answerKey"] not in r["choices"]["label"]:
+            raise BadInputError(f"qatfactory eval: {where}: answerKey {r['answerKey']!r}; allowed: one of its "
+                                f"choices.label {r['choices']['label']}")
 
 
 # ----------------------------------------------------------------------------- what is evaluated
@@ -123,8 +188,8 @@ def kind_of(target: Path) -> str:
     if (target / GGUF_NAME).is_file():
         return "gguf"
     if (target / "qatfactory_quant.json").is_file():
-        rec = json.loads((target / "qatfactory_quant.json").read_text())
-        return "plain" if rec.get("plain") else "student"
+        from .quantize.io import read_record  # noqa: PLC0415 (CLI start)
+        return "plain" if read_record(str(target)).get("plain") else "student"
     if (target / "hf_quant_config.json").is_file() or (target / "qatfactory.json").is_file():
         raise BadInputError(f"qatfactory eval: {target} is a vLLM / SGLang export; evaluate the student it was made "
                             f"from (the export is bit-identical to it, `qatfactory verify` proves it), or serve it "
@@ -168,6 +233,9 @@ def build_lm(target: Path, kind: str, tok, opts: Dict[str, str]):
         model = load_student(str(target), dtype=dtypes[dt])
     else:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
+
+        from ._inputs import check_model_config  # noqa: PLC0415 (CLI start)
+        check_model_config(target)      # config.json with limits and against the weights, before it is built
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtypes[dt])
     model.to(device).eval()
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 (heavy: HFLM loads torch, transformers, accelerate)
@@ -330,6 +398,45 @@ def task_names(include: List[str], hub: bool) -> List[str]:
     return sorted(tm.all_tasks)
 
 
+def _yaml_tasks(f: Path) -> List[str]:
+    """The task names a task YAML declares (``task:``, a list under it), its ``!function`` tags left unread."""
+    import yaml  # noqa: PLC0415 (CLI start)
+
+    class _Loader(yaml.SafeLoader):
+        pass
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        doc = yaml.load(f.read_text(encoding="utf-8", errors="replace"), Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise BadInputError(f"qatfactory eval: include: {f} is not valid YAML ({str(e).splitlines()[0]})") from None
+    t = doc.get("task") if isinstance(doc, dict) else None
+    return [x for x in (t if isinstance(t, list) else [t]) if isinstance(x, str)]
+
+
+def check_include(d: Path) -> None:
+    """A task YAML of ``include=DIR`` may not take the name of a built-in task: lm-eval would run the user's
+    task under the name whose results a reader takes for ours."""
+    ours = {t: f for f in TASK_DIR.glob("*.yaml") for t in _yaml_tasks(f)}
+    for f in sorted(d.rglob("*.y*ml")):
+        for t in _yaml_tasks(f):
+            if t in ours:
+                raise UsageError(f"qatfactory eval: include={d}: {f} declares task {t!r}, the name of the built-in "
+                                 f"task in {ours[t].name}; allowed: a name of its own (built-in: {sorted(ours)})")
+
+
+def out_dir(target: Path, opts: Dict[str, str]) -> Path:
+    """Where the results go: out= or runs/eval-<name>-<time>; a new or empty directory outside what is evaluated
+    (checked before the model is loaded)."""
+    out = Path(opts["out"]) if "out" in opts else Path("runs") / f"eval-{target.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    src, o = target.resolve(), out.resolve()
+    if o == src or (target.is_dir() and src in o.parents):
+        raise UsageError(f"qatfactory eval: out={out} is inside the evaluated folder {src}; the input is only read: "
+                         f"allowed: a directory outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInputError(f"qatfactory eval: out={out} exists and is not empty; give a new directory")
+    return out
+
+
 def run(argv: List[str]) -> Dict[str, Any]:
     _offline_env()
     if argv[:1] == ["tasks=list"] or argv[1:2] == ["tasks=list"]:
@@ -341,6 +448,8 @@ def run(argv: List[str]) -> Dict[str, Any]:
     for p in include:
         if not Path(p).is_dir():
             raise BadInputError(f"qatfactory eval: include={p}: not a directory of task YAMLs")
+        check_include(Path(p))
+    out = out_dir(target, opts)
     hub = _bool(opts, "hub")
     try:
         import lm_eval  # noqa: F401,PLC0415 (heavy: lm_eval's evaluator loads torch, datasets)
@@ -366,9 +475,6 @@ def run(argv: List[str]) -> Dict[str, Any]:
     kind = kind_of(target)
     tok = load_tokenizer(target, opts)
     lm, info = build_lm(target, kind, tok, opts)
-    out = Path(opts["out"]) if "out" in opts else Path("runs") / f"eval-{target.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BadInputError(f"qatfactory eval: out={out} exists and is not empty; give a new directory")
     gen = {"max_gen_toks": _int(opts, "max_gen_toks")} if "max_gen_toks" in opts else None
     t0 = time.time()
     try:

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil
+from ._inputs import read_json
 from .exitcodes import BadInputError, CorruptFileError, UnsafeFileError
 from .formats import ConvertedModel, PackedTensor, get_format
 from .nn.scale_adapter import ScaleAdapterLinear
@@ -125,7 +126,9 @@ def _inside(d: Path, name: Any, what: str) -> Path:
 def _json(d: Path, name: str) -> Dict[str, Any]:
     p = _inside(d, name, "file")
     try:
-        obj = json.loads(p.read_text())
+        obj = read_json(p)
+    except CorruptFileError:
+        raise
     except (OSError, ValueError) as e:
         raise CorruptFileError(f"{p}: not readable JSON ({e})") from None
     if not isinstance(obj, dict):

@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import _fsutil
+from ._inputs import read_json
+from .exitcodes import UsageError
 from .exporters import export
 from .exporters import verify as gate
 from .exporters.verify.adapter import TrainedAdapter, check_adapter
@@ -165,6 +167,31 @@ def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
     for line in export_lines(out):
         print(line, flush=True)
     return out
+
+
+def model_type_of(cfg) -> Optional[str]:
+    """The run's model_type without building it: the random models' architecture, or config.json of
+    model.path read with limits (None when no folder is there yet: a packaged asset not prepared)."""
+    from .train.config import TINY_NAMES  # noqa: PLC0415 (the face reads the trainer's table)
+    m = cfg.model
+    if m.path is None and m.asset is None:
+        return TINY_NAMES.get(m.name)
+    if m.path is not None and (Path(m.path) / "config.json").is_file():
+        mt = read_json(Path(m.path) / "config.json", want=dict).get("model_type")
+        return mt if isinstance(mt, str) else None
+    return None
+
+
+def check_request(cfg) -> None:
+    """What the export the run asks for needs from the model, checked before training: an architecture the
+    engine's exporter writes (exporters/llama_cpp.py ARCHS for GGUF)."""
+    if not cfg.export.enabled or cfg.export.engine != "llama_cpp":
+        return
+    from .exporters.llama_cpp import ARCHS  # noqa: PLC0415 (the exporter's own table)
+    mt = model_type_of(cfg)
+    if mt is not None and mt not in ARCHS:
+        raise UsageError(f"export=llama_cpp with model_type={mt!r} (model.path={cfg.model.path}): the GGUF exporter "
+                         f"writes {sorted(ARCHS)}; allowed: a model of those, or export=vllm / export=sglang")
 
 
 def train_and_ship(cfg, eval_only: bool = False) -> Dict[str, Any]:

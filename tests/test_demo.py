@@ -106,6 +106,10 @@ def test_demo_train_command_reproduces_its_config(tmp_path):
     for dt in ("float32", "bfloat16"):
         s.dtype = dt
         data = {"train": str(tmp_path / "a dir" / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")}
+        for f in data.values():          # the command composes as a run: the files it names exist
+            Path(f).parent.mkdir(parents=True, exist_ok=True)
+            Path(f).touch()
+        (tmp_path / "model").mkdir(exist_ok=True)
         for key, t in demo.TARGETS.items():
             cfg, over = demo.train_config(t, s, tmp_path / "model", data, tmp_path / "run", tmp_path / "tc", "cpu")
             assert cfg.method.name == ("qad" if t.teacher == "live" else "qad_cached")

@@ -271,3 +271,50 @@ def test_hellaswag_from_a_local_file_equals_a_hand_computation(setup):
         assert [float(x[0][0]) for x in s["resps"]] == pytest.approx(ref, abs=1e-4)
         acc.append(float(max(range(4), key=lambda k: ref[k]) == int(rows[s["doc_id"]]["label"])))
     assert rec["results"]["qf_hellaswag"]["acc,none"] == sum(acc) / len(acc)
+
+
+def test_eval_inputs_are_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """data_files= for a task not asked for, a malformed data file, an include= YAML that takes a built-in task's
+    name and an out= inside the evaluated folder are refused by name before a model, a task or a module loads."""
+    s = tmp_path / "student"
+    s.mkdir()
+
+    def boom(*a, **k):
+        raise AssertionError("loaded something after a refusal")
+    monkeypatch.setattr(harness, "build_lm", boom)
+    monkeypatch.setattr(harness, "kind_of", boom)
+
+    def err(argv, code, *texts):
+        assert harness.main([str(a) for a in argv]) == code
+        e = capsys.readouterr().err.strip().splitlines()
+        assert len(e) == 1 and all(t in e[0] for t in texts), e
+
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text("".join(json.dumps(r) + "\n" for r in ARC))
+    err([s, "tasks=qf_gsm8k", f"data_files=qf_arc_easy:{arc}"], 3,
+        "data_files names qf_arc_easy, a task not asked for; tasks asked: ['qf_gsm8k']")
+    bad = tmp_path / "bad.jsonl"
+    for lines, texts in (([ARC[0], "{not json"], [f"{bad}:2: not valid JSON"]),
+                         ([ARC[0], {**ARC[1], "choices": "red"}], [f"{bad}:2: field 'choices'", "allowed: an object"]),
+                         ([{k: v for k, v in ARC[0].items() if k != "question"}], [f"{bad}:1: field 'question'",
+                                                                                  "'(missing)'"]),
+                         ([{**ARC[0], "answerKey": "Z"}], [f"{bad}:1: answerKey 'Z'", "['A', 'B', 'C']"]),
+                         ([[1, 2]], [f"{bad}:1: a JSON list"])):
+        bad.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+        err([s, "tasks=qf_arc_easy", f"data_files={bad}"], 4, *texts)
+    hs = tmp_path / "hs.jsonl"
+    hs.write_text(json.dumps({"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d", 5],
+                              "label": "0"}) + "\n")
+    err([s, "tasks=qf_hellaswag", f"data_files={hs}"], 4, f"{hs}:1: field 'endings'", "a list of strings")
+    # include=: a task YAML under a built-in name is refused, and the module its !function names never runs
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "mine.yaml").write_text("task: qf_gsm8k\ncustom_dataset: !function mymod.rows\noutput_type: loglikelihood\n")
+    (inc / "mymod.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\ndef rows(**_): return None\n")
+    err([s, "tasks=qf_gsm8k", f"include={inc}"], 3, f"{inc / 'mine.yaml'} declares task 'qf_gsm8k'",
+        "built-in task in qf_gsm8k.yaml")
+    assert not (tmp_path / "ran").exists()
+    # out= inside what is evaluated
+    err([s, "tasks=qf_gsm8k", f"out={s / 'results'}"], 3, f"out={s / 'results'} is inside the evaluated folder {s}")
+    err([s, "tasks=qf_gsm8k", f"out={s}"], 3, "is inside the evaluated folder")
+    assert list(s.iterdir()) == []

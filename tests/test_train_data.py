@@ -39,7 +39,7 @@ def test_chat_jsonl_masks_the_prompt(tmp_path):
 def test_bad_inputs_are_named(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "ok"}\n{nope\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         build_samples([str(p)], TOK, DataConfig(seq_len=4))
     q = tmp_path / "q.jsonl"
     q.write_text('{"prompt": "x"}\n')

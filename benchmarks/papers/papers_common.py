@@ -409,7 +409,9 @@ def load_teacher(smoke: bool, model_path: Optional[str], device: str):
 
     from qatfactory.train.config import compose
     from qatfactory.train.engine import build_model
-    cfg = compose(model_overrides(smoke, model_path, device))
+    # only the model is built here, no data is read: the default random tokens are named so that a trained model
+    # composes (a run of a trained model is refused random tokens it did not ask for)
+    cfg = compose(model_overrides(smoke, model_path, device) + ["data=synthetic"])
     model, tok, _ = build_model(cfg, torch.device(device))
     model.to(torch.device(device)).eval().requires_grad_(False)
     return model, tok, model.get_output_embeddings().weight.shape[0]

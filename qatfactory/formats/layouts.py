@@ -29,6 +29,16 @@ from gguf import GGMLQuantizationType, LlamaFileType
 GGMLType = GGMLQuantizationType
 
 
+# the container each engine's checkpoints are (exporters/: vllm.py and sglang.py write safetensors, llama_cpp.py
+# GGUF): a format whose spec declares no layout for it cannot be exported for that engine
+ENGINE_CONTAINER = {"vllm": "safetensors", "sglang": "safetensors", "llama_cpp": "gguf"}
+# the container variants each engine's exporter writes, its default first (the exporters' own table), and the
+# other spellings of their names
+ENGINE_FLAVOURS = {"vllm": ("modelopt", "compressed-tensors"), "sglang": ("modelopt", "compressed-tensors"),
+                   "llama_cpp": ("gguf",)}
+FLAVOUR_ALIASES = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
+
+
 class Codec(enum.StrEnum):
     """A codec family: how a PackedTensor holds a tensor, as the engine containers see it. The value
     is the label the export record writes (``layout`` in qatfactory.json)."""

@@ -37,6 +37,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # 32-element / 256-element block sizes of the ggml types the policy can produce
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q5_0": 32, "q5_1": 32, "q8_0": 32}
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+# every registered format a Q4_K_M-style policy can give a tensor (f16 rows aside): what an export must hold
+POLICY_FORMATS = tuple(_BLOCK)
 _SUPPORTED_BASES = ("q4_k",)
 
 

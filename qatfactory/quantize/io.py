@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import _fsutil
 from .._fsutil import load_safetensors
+from .._inputs import check_model_config, read_json
 from ..exitcodes import CorruptFileError
 from .config import QuantConfig
 from .prepare import prepare
@@ -62,22 +63,23 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
     qpath = os.path.join(path, QUANT_FILE)
     if not os.path.isfile(qpath):
         raise FileNotFoundError(f"load_student: {qpath} not found; {path} is not a directory written by save_student")
+    meta = read_record(path)
+    if meta["quant_config"] is None:
+        raise FileNotFoundError(f"load_student: {path} holds a plain (unquantized) model from a format=bf16 "
+                                f"run; load it with transformers' from_pretrained")
     try:
-        with open(qpath) as f:
-            meta = json.load(f)
-        qc = meta["quant_config"]
-        if qc is None and meta.get("plain"):
-            raise FileNotFoundError(f"load_student: {path} holds a plain (unquantized) model from a format=bf16 "
-                                    f"run; load it with transformers' from_pretrained")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptFileError(f"load_student: {qpath} is not a valid record ({type(e).__name__}: {e})") from None
-    cfg = QuantConfig.from_dict(qc)
+        cfg = QuantConfig.from_dict(meta["quant_config"])
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise CorruptFileError(f"load_student: {qpath}: quant_config is not a valid QuantConfig "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    # config.json with limits and against the weights' headers, before a model of its sizes is built
+    check_model_config(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise CorruptFileError(f"load_student: {os.path.join(path, 'config.json')} cannot be read "
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    dt = dtype or getattr(torch, meta.get("dtype", "float32"))
+    dt = dtype or getattr(torch, meta["dtype"])
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dt)
     prepare(model, cfg)
     state = load_safetensors(os.path.join(path, "model.safetensors"))
@@ -88,6 +90,26 @@ def load_student(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
         raise CorruptFileError(f"load_student: {path}/model.safetensors does not fit the rebuilt model: "
                                f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
     return model
+
+
+STUDENT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def read_record(path: str) -> Dict:
+    """A student folder's qatfactory_quant.json, checked field by field: ``quant_config`` an object (or
+    null with ``plain``: a format=bf16 run), ``dtype`` one of STUDENT_DTYPES. A record that is not
+    JSON, or a field of another type, is a CorruptFileError (exit 4) naming the file and the field."""
+    qpath = os.path.join(path, QUANT_FILE)
+    meta = read_json(qpath, want=dict)
+    qc = meta.get("quant_config", "(missing)")
+    if not (isinstance(qc, dict) or (qc is None and meta.get("plain"))):
+        raise CorruptFileError(f"{qpath}: quant_config = {str(qc)[:60]!r}; allowed: a JSON object (the QuantConfig "
+                               f"the student was prepared with)")
+    dt = meta.get("dtype", "float32")
+    if dt not in STUDENT_DTYPES:
+        raise CorruptFileError(f"{qpath}: dtype = {str(dt)[:60]!r}; allowed: {list(STUDENT_DTYPES)}")
+    meta.setdefault("dtype", dt)
+    return meta
 
 
 def _student_tied_keys(model) -> List[str]:

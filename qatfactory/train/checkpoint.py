@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import _fsutil
+from .._inputs import read_json
 from ..exitcodes import BadInputError, CorruptFileError, UnsafeFileError
 
 DS_TAG = "ds"
@@ -207,7 +208,11 @@ def list_checkpoints(run_dir) -> list:
 def read_state(ckpt: Path) -> Dict[str, Any]:
     p = Path(ckpt) / "trainer_state.json"
     try:
-        st = json.loads(p.read_text())
+        st = read_json(p, finite=False)     # a diverged run's saved metrics may hold NaN
+    except CorruptFileError as e:
+        if not p.is_file():
+            raise CorruptFileError(f"{p} not found") from None
+        raise e
     except FileNotFoundError:
         raise CorruptFileError(f"{p} not found") from None
     except (OSError, ValueError) as e:

@@ -27,11 +27,12 @@ from omegaconf.errors import OmegaConfBaseException
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
 from ..distill.rl import RLConfig
-from ..exitcodes import UsageError
+from ..exitcodes import BadInputError, UsageError
 from ..nn.scale_adapter import ScaleAdapterConfig
 from ..quantize import QuantConfig
+from . import compose_checks as CC
 from . import methods as M
-from .data import DataConfig
+from .data import ByteTokenizer, DataConfig
 from .methods import (
     NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
     quant_start,
@@ -227,6 +228,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     m, t = cfg.method, cfg.train
     M.load_plugins(cfg.plugins)
     method = M.get_method(m.name)
+    CC.check_numbers(cfg)
+    CC.check_data_source(cfg)
     _choice("method.teacher", m.teacher, TEACHERS)
     _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.precision", t.precision, PRECISIONS)
@@ -267,12 +270,18 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                              f"(model.path=/path/to/hf_dir), or a random model: model={list(TINY_NAMES)}")
         check_tiny(cfg.model.tiny, TINY_NAMES[cfg.model.name], cfg.model.name)
+        if cfg.model.tokenizer is None and cfg.model.tiny.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(f"model.tiny.vocab_size={cfg.model.tiny.vocab_size}, smaller than the byte tokenizer's "
+                             f"{ByteTokenizer.vocab_size} tokens; allowed: >= {ByteTokenizer.vocab_size} (its ids "
+                             f"would index past the embedding)")
     if not 0.0 <= float(t.quant_start) <= 1.0:
         raise ValueError(f"train.quant_start={t.quant_start!r}; allowed: a fraction of max_steps in 0..1 "
                          f"(0.9: 90% full precision, then QAT)")
     if t.quant_lr is not None and not t.quant_lr > 0:
         raise ValueError(f"train.quant_lr={t.quant_lr!r}; allowed: a number > 0, or null (= train.lr)")
     quant_start.check(cfg, method)
+    if not method.needs.native_base:     # a native base's own format is known only once it is read
+        CC.check_export(cfg, NO_QUANT)
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
     elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
@@ -334,24 +343,32 @@ def _plugin_recipes(overrides: List[str]) -> None:
                      node=cls.recipe if cls.recipe is not None else {"method": {"name": name}})
 
 
-def compose(overrides: Optional[List[str]] = None, config_name: str = "config") -> RunConfig:
+def compose(overrides: Optional[List[str]] = None, config_name: str = "config", check_files: bool = True) -> RunConfig:
     """Compose recipes/ with command-line style overrides into a validated RunConfig. A bad override
-    or value raises exitcodes.UsageError with one line naming the field and what is allowed."""
+    or value raises exitcodes.UsageError with one line naming the field and what is allowed.
+    ``data.train=[...]`` without a data group selects ``data=files``. ``check_files`` (a run's
+    composition): the model and data paths exist, and a trained model never falls back to random
+    tokens (compose_checks.check_inputs); off only to compare configs that never run."""
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
         _plugin_recipes(list(overrides or []))
+        # data.train=[...] selects your files; whether random tokens were asked for by name
+        overrides, asked_synthetic = CC.data_selection(list(overrides or []))
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-            node = hcompose(config_name=config_name, overrides=list(overrides or []))
+            node = hcompose(config_name=config_name, overrides=overrides)
         schema = OmegaConf.structured(RunConfig)
         OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
         OmegaConf.set_struct(schema.method.options, False)   # a plugin's options: checked by its own schema
         node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
-        return validate(OmegaConf.to_object(node))
+        cfg = validate(OmegaConf.to_object(node))
+        if check_files:
+            CC.check_inputs(cfg, M.get_method(cfg.method.name), asked_synthetic)
+        return cfg
     except (HydraException, OmegaConfBaseException) as e:
         raise UsageError(_override_message(e)) from None
-    except UsageError:
+    except (UsageError, BadInputError):
         raise
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -21,12 +21,14 @@ micro-batch of ``world * micro`` samples is split by rank.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .._inputs import loads
+from ..exitcodes import BadInputError
 
 MAX_SEQ_LEN = 32768
 
@@ -140,10 +142,8 @@ def _records(path: Path, cfg: DataConfig) -> Iterable[dict]:
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"data: {path}:{i + 1} is not valid JSON: {e}") from None
+                    # nesting limited (a deep record would end in the parser's RecursionError); exit 4 naming the line
+                    yield loads(line, f"data: {path}:{i + 1}", finite=False)
         return
     if path.suffix == ".txt" or cfg.text_split:
         text = path.read_text(encoding="utf-8")
@@ -156,13 +156,21 @@ def _records(path: Path, cfg: DataConfig) -> Iterable[dict]:
 
 
 def _tokenize_record(rec: dict, tok, cfg: DataConfig, where: str) -> Tuple[List[int], List[bool]]:
+    if not isinstance(rec, dict):
+        raise BadInputError(f"data: {where} is a JSON {type(rec).__name__}; allowed: an object with "
+                            f"{cfg.text_field!r} or {cfg.messages_field!r}")
     if cfg.messages_field in rec and rec[cfg.messages_field]:
-        msgs = list(rec[cfg.messages_field])
+        msgs = rec[cfg.messages_field]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in msgs):
+            raise BadInputError(f"data: {where}: field {cfg.messages_field!r} = {str(msgs)[:60]!r}; allowed: a list "
+                                f"of {{'role': str, 'content': str}} objects")
         if getattr(tok, "chat_template", None) is None:
             raise ValueError(f"data: {where} holds chat messages but the tokenizer has no chat template")
         last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
         if last is None:
-            raise ValueError(f"data: {where} has messages but no assistant turn to train on")
+            raise BadInputError(f"data: {where} has messages but no assistant turn to train on; allowed: a "
+                                f"conversation with at least one message of role 'assistant'")
         full = tok.apply_chat_template(msgs[:last + 1], tokenize=False)
         prompt = tok.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
         if not full.startswith(prompt):
@@ -174,8 +182,8 @@ def _tokenize_record(rec: dict, tok, cfg: DataConfig, where: str) -> Tuple[List[
     if cfg.text_field in rec:
         ids = _encode(tok, str(rec[cfg.text_field]))
         return ids, [True] * len(ids)
-    raise ValueError(f"data: {where} has neither {cfg.text_field!r} nor {cfg.messages_field!r}; "
-                     f"keys: {sorted(rec)[:10]}")
+    raise BadInputError(f"data: {where} has neither {cfg.text_field!r} nor {cfg.messages_field!r}; "
+                        f"keys: {sorted(rec)[:10]}")
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from .. import _fsutil, assets
 from .. import quantize as Q
+from .._inputs import check_model_config
 from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_metrics
 from ..distill.teachers import (
     CachedTeacher,
@@ -52,6 +53,7 @@ from ..distill.teachers import (
     split_causal_lm,
     weights_sha256,
 )
+from ..exitcodes import CorruptFileError, UsageError
 from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
 from . import ds_step, rundir, runlock
@@ -157,13 +159,31 @@ def build_model(cfg: RunConfig, device: Optional[torch.device] = None):
         return model.to(dtype), load_tokenizer(m.tokenizer), None
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory (a local Hugging Face model dir)")
+    # config.json read with limits and held against the tensors' headers before a model of its sizes
+    # is allocated; the tokenizer before any weight, so a vocabulary it overflows costs nothing
+    hf_cfg = check_model_config(path)
+    tok = load_tokenizer(m.tokenizer or path)
+    check_vocab(tok, int(hf_cfg.get("vocab_size") or 0), "model.tokenizer" if m.tokenizer else None,
+                f"{path}/config.json")
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)   # never trust_remote_code
-    return model, load_tokenizer(m.tokenizer or path), str(path)
+    return model, tok, str(path)
+
+
+def check_vocab(tok, vocab: int, given: Optional[str], where: str) -> None:
+    """The tokenizer's ids must fit the model's vocabulary (a larger id indexes past the embedding).
+    ``given``: the setting that chose the tokenizer (a bad setting, exit 3), else the model folder's own
+    tokenizer (a bad input folder, exit 4)."""
+    n = len(tok) if hasattr(tok, "__len__") else int(getattr(tok, "vocab_size", 0) or 0)
+    if vocab and n > vocab:
+        msg = (f"{where}: vocab_size = {vocab}, smaller than the tokenizer's {n} tokens; allowed: a vocabulary "
+               f">= {n} (ids past it index outside the embedding)")
+        raise (UsageError(f"{given}: {msg}") if given else CorruptFileError(msg))
 
 
 def load_teacher_model(cfg: RunConfig, student_init: nn.Module) -> nn.Module:
     if cfg.method.teacher_path:
+        check_model_config(cfg.method.teacher_path)
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
         return AutoModelForCausalLM.from_pretrained(cfg.method.teacher_path, dtype=_DTYPES[cfg.model.dtype])
     return student_init

@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import _fsutil
+from .._inputs import read_json
 from ..exitcodes import BadInputError, CorruptFileError
 from . import checkpoint as C
 
@@ -268,7 +269,9 @@ def gather(ckpt, shard_bytes: int = SHARD_BYTES) -> Path:
 def read_index(gdir, st: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     p = _fsutil.own_file(gdir, INDEX, "the gathered index")
     try:
-        idx = json.loads(p.read_text())
+        idx = read_json(p)
+    except CorruptFileError:
+        raise
     except (OSError, ValueError) as e:
         raise CorruptFileError(f"{p}: not readable JSON ({type(e).__name__}: {e})") from None
     if not isinstance(idx, dict) or idx.get("qatfactory_gathered") != FORMAT or not isinstance(idx.get("files"), dict):

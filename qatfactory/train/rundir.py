@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .. import _fsutil
+from .._inputs import read_json
 from ..exitcodes import BadInputError, UsageError
 from . import checkpoint as ckpt
 from . import runlock
@@ -230,9 +231,9 @@ def _decide(cfg: RunConfig, world: int, eval_only: bool, d: Optional[Path] = Non
 
 def _read_record(d: Path) -> Dict[str, Any]:
     try:
-        r = json.loads((d / RUN_RECORD).read_text())
+        r = read_json(d / RUN_RECORD)
         return r if isinstance(r, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError):      # CorruptFileError too: a damaged record is no record of ours
         return {}
 
 

@@ -19,4 +19,13 @@ class GRPO(Method):
 
     def validate(self, cfg) -> None:
         super().validate(cfg)
-        cfg.method.rl.validate()
+        r = cfg.method.rl
+        r.validate()
+        if cfg.export.enabled and cfg.export.engine == "llama_cpp" and r.lora_mode == "adapter" \
+                and r.export_lora == "adapter":
+            # the trained policy is the base plus a PEFT adapter (vllm serve --lora-modules); a GGUF export would
+            # ship the base alone, and llama.cpp LoRA adapters are not written
+            raise ValueError(f"method={cfg.method.name} with export=llama_cpp and method.rl.export_lora=adapter: the "
+                             f"trained policy ships as a LoRA adapter beside the base, and GGUF LoRA adapters are not "
+                             f"supported; allowed: export=vllm or export=sglang (base + PEFT adapter), or "
+                             f"method.rl.export_lora=merge (one GGUF of the merged policy)")
