@@ -220,7 +220,7 @@ def test_gathered_index_is_checked_before_any_file_is_read(tmp_path):
     from qatfactory.train import reshard
     g = tmp_path / "gathered"
     g.mkdir()
-    with pytest.raises(CorruptFileError, match="gathered.json: not readable JSON"):
+    with pytest.raises(CorruptFileError, match="gathered.json: file not found"):
         reshard.read_index(g)
     idx = {"qatfactory_gathered": reshard.FORMAT, "step": 2, "from_world": 2, "files": {"fp32/w": "../../secret"}}
     (g / "gathered.json").write_text(json.dumps(idx))

@@ -46,12 +46,12 @@ RANK = Path(__file__).with_name("scaling_rank.py")
 
 LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
-TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
 QWEN3MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                 num_experts_per_tok=8, tie_word_embeddings=False, max_position_embeddings=40960)
-TINY_MOE = dict(vocab_size=259, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+TINY_MOE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                 tie_word_embeddings=False, max_position_embeddings=4096)
 MODELS = {"llama8b": ("llama", LLAMA8B), "tiny": ("llama", TINY), "qwen3moe": ("moe", QWEN3MOE),
