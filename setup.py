@@ -5,13 +5,25 @@ setup(
     name="qatfactory",
     version="0.1.0",
     description="Quantization-aware training/distillation for NVFP4, MXFP4 and Q4_K, bit-exact with vLLM, SGLang and llama.cpp",
-    python_requires=">=3.10",
+    # the Pythons the tests run on: 3.11 (make test) and 3.12 (the GPU image); enum.StrEnum needs 3.11
+    python_requires=">=3.11,<3.13",
+    # recipes/ and csrc/ stay at the top of the source tree (where users edit them) and ship inside the
+    # package, where qatfactory/_recipes.py and kernels/loader.py look first on an installed copy; they
+    # are data folders, not Python packages, so no __init__.py
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
-    + ["qatfactory.exporters", "qatfactory.exporters.verify"],
-    package_dir={"qatfactory.exporters": "exporters"},
-    package_data={"qatfactory": ["../csrc/*.cu", "../csrc/*.cuh", "eval_tasks/*.yaml", "eval_tasks/*.py"]},
+    + ["qatfactory.exporters", "qatfactory.exporters.verify", "qatfactory.recipes", "qatfactory.csrc"],
+    package_dir={"qatfactory.exporters": "exporters", "qatfactory.recipes": "recipes", "qatfactory.csrc": "csrc"},
+    package_data={"qatfactory": ["eval_tasks/*.yaml", "eval_tasks/*.py"],
+                  "qatfactory.recipes": ["*.yaml", "*/*.yaml"],
+                  "qatfactory.csrc": ["*.cu", "*.cuh"]},
     install_requires=[
-        "torch>=2.4",
+        # the torch releases the tests run on: 2.13 (make test, CPU) and 2.11 (the GPU image); a newer
+        # one is untested, and pip would otherwise take the newest
+        "torch>=2.11,<2.14",
+        # the trainer is DeepSpeed's engine on one process as on many (its optimizer step, checkpoints,
+        # ZeRO), so a one-process run resumes on eight; the lean step mirrors 0.19's (train/ds_step.py)
+        "deepspeed>=0.19,<0.20",
+        "pyyaml",
         "numpy>=1.24",
         "safetensors>=0.4",
         "tqdm",
@@ -31,10 +43,10 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "setuptools>=70.1",   # tests/test_packaging.py builds the wheel in this environment (bdist_wheel built in)
             "ruff==0.17.6",   # make test: pyflakes rules over the package (ruff.toml)
             "ml_dtypes>=0.5",
             "torchao==0.18.0",
-            "deepspeed==0.19.8",
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
             "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies

@@ -14,10 +14,13 @@ def recipes_dir() -> Path:
     if env:
         return Path(env)
     here = Path(__file__).resolve()
-    for cand in (here.parents[1] / "recipes", here.parent / "recipes"):
-        if cand.is_dir():
+    # an installed package carries its own copy (setup.py maps recipes/ into it); a source checkout
+    # has it beside the package. The package's own copy first: a folder named recipes/ that happens
+    # to sit beside an installed package (in site-packages) is not ours.
+    for cand in (here.parent / "recipes", here.parents[1] / "recipes"):
+        if (cand / "config.yaml").is_file():
             return cand
-    raise FileNotFoundError("recipes/ not found next to the package; set QATFACTORY_RECIPES to its path")
+    raise FileNotFoundError("recipes/ not found in or beside the package; set QATFACTORY_RECIPES to its path")
 
 
 def format_recipes() -> List[str]:

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from tiny_llm import tiny_llama, train_bpe  # noqa: E402
 
-import lm_eval  # noqa: E402,F401  (a test dependency: setup.py extras 'test')
+from optional_imports import needed  # noqa: E402
+
+needed("lm_eval")   # the eval extra (also in the test extra): qatfactory.harness imports it
 
 from qatfactory import harness  # noqa: E402
 

@@ -1,5 +1,4 @@
 """Unit tests of qatfactory.nn (quantizers, LSQ, QuantExperts) and formats.policy."""
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -7,6 +6,9 @@ import torch
 from qatfactory.formats import get_format
 from qatfactory.formats.policy import ggml_policy, tensor_role, use_more_bits
 from qatfactory.nn import ActQuantizer, QuantExperts, WeightQuantizer, decode_grid, encode_grid
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 
 # ----------------------------------------------------------------------------- policy

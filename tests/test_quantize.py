@@ -6,7 +6,6 @@ dequantization (plus the same activation fake quant for W4A4)."""
 import json
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -17,6 +16,9 @@ from qatfactory.nn import QuantExperts, QuantLinear
 from qatfactory.quantize import (CoverageError, QuantConfig, ModuleRule, calibrate, convert, coverage,
                                  load_student, prepare, register_zero3_external_params, save_student,
                                  search_scales)
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 
 def _logits(m, x):

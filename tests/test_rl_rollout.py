@@ -6,7 +6,6 @@ that base (transformers' loader, peft's LoRA: no qatfactory code on the referenc
 import json
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -14,6 +13,9 @@ from safetensors.torch import save_file
 
 from qatfactory.distill.rollout import SamplingConfig, generate, top_p_filter
 from qatfactory.nn import adapter as A
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 
 def _tiny(seed=0, init=0.3, dtype=torch.float32):

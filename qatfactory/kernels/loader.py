@@ -39,11 +39,12 @@ NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true"
 
 
 def csrc_dir() -> Optional[Path]:
-    """csrc/ of this checkout (or $QATFACTORY_CSRC): the kernels are compiled from source."""
+    """$QATFACTORY_CSRC, the package's own csrc/ (an installed copy: setup.py maps it in), or the source
+    checkout's top-level csrc/: the kernels are compiled from source."""
     env = os.environ.get("QATFACTORY_CSRC")
     cands = [Path(env)] if env else []
     here = Path(__file__).resolve()
-    cands += [here.parents[2] / "csrc", here.parents[1] / "csrc"]
+    cands += [here.parents[1] / "csrc", here.parents[2] / "csrc"]
     for c in cands:
         if (c / "qf_common.cuh").is_file():
             return c

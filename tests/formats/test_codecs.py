@@ -1,12 +1,14 @@
 """Exhaustive tests of qatfactory.formats.codecs against independent casts:
 ml_dtypes (float4_e2m1fn, float8_e4m3fn, float8_e8m0fnu) and torch's float8 casts
 (torch.float8_e4m3fn `.to()` == the NVIDIA cvt.rn.satfinite rule, formats.md 0.2 / 5)."""
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 from qatfactory.formats import codecs as C
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 F32 = np.float32
 

@@ -9,7 +9,6 @@ q8_0_kv_x86             libggml's CPU backend quantize_row_q8_0 (the AVX from_fl
 plus: numpy reference == torch emulator for every format, the scale the checkpoint carries, and the
 llama architecture's K order against transformers' GGUF un-permutation.
 """
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -17,6 +16,9 @@ import torch
 import ggml_oracle as G
 from qatfactory.formats.kv import (amax_over_448, get_kv_format, gguf_k_order, kv_formats_for,
                                    list_kv_formats)
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 E4M3 = ml_dtypes.float8_e4m3fn
 ALL = list_kv_formats()

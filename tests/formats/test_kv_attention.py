@@ -12,13 +12,15 @@ comparison with vLLM is benchmarks/kv_cache.py's vllm_serve.
 """
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 from qatfactory.formats.kv_attention import (KV_ATTENTION, attentions_for, default_attention, fp8_attention,
                                              get_kv_attention, query_values)
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

@@ -15,12 +15,15 @@ import math
 import warnings
 from fractions import Fraction
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from optional_imports import lazy
 from qatfactory.formats import get_format
+
+# lazily: only the CPU oracle tests use it, the CUDA test must run where it is not installed
+ml_dtypes = lazy("ml_dtypes")
 
 FLAVOURS = ["mxfp4", "mxfp4_rceil", "mxfp4_even", "mxfp4_ggml"]
 F32 = np.float32

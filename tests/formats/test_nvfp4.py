@@ -4,12 +4,12 @@ vLLM's cvt_warp_fp16_to_fp4, and libggml (ggml_quantize_chunk / dequantize_row_n
 gguf.quants.dequantize. Every comparison is byte-exact (atol=0)."""
 import types
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 import ggml_oracle
+from optional_imports import lazy
 from qatfactory.formats import get_format
 from qatfactory.formats.nvfp4 import near_threshold_mask, scales_from_block_amax
 
@@ -17,6 +17,8 @@ F32 = np.float32
 NV = get_format("nvfp4")
 ACT = get_format("nvfp4_act")
 GG = get_format("nvfp4_ggml")
+# lazily: the vLLM transcription uses its casts; the CUDA tests (and the data they share) do not
+ml_dtypes = lazy("ml_dtypes")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,11 @@ def _ulps(a, n):
     return (a.view(np.int32) + n.astype(np.int32)).view(F32)
 
 
+def _e4m3_values() -> np.ndarray:
+    """The 126 finite positive E4M3 values (bytes 0x01..0x7E), decoded by torch's float8 dtype."""
+    return torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+
+
 def _adversarial(seed, rows=64, k=1024):
     """Blocks whose scale amax_b/(6g) sits within 3 ulp of an E4M3 rounding midpoint, and
     elements within 2 ulp of an E2M1 threshold times the block scale: there the association
@@ -68,12 +75,12 @@ def _adversarial(seed, rows=64, k=1024):
     amax = F32(rng.uniform(1, 8))
     g = amax / F32(2688)
     six_g = F32(6) * g
-    pos = np.unique(np.arange(1, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    pos = np.unique(_e4m3_values())
     mids = (pos[1:] + pos[:-1]) / 2
     nb = rows * k // 16
     m = rng.choice(mids[(mids > 2.0 ** -7) & (mids < 400)], nb).astype(F32)
     ab = _ulps((m * six_g).astype(F32), rng.integers(-3, 4, nb))
-    s8 = np.clip(ab / six_g, F32(2.0 ** -9), F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32)
+    s8 = torch.from_numpy(np.clip(ab / six_g, F32(2.0 ** -9), F32(448))).to(torch.float8_e4m3fn).float().numpy()
     t = rng.choice(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], F32), (nb, 15))
     xe = _ulps((t * (s8 * g)[:, None]).astype(F32), rng.integers(-2, 3, (nb, 15)))
     x = np.zeros((nb, 16), F32)
@@ -347,7 +354,7 @@ def _ggml_edge_rows():
     r[32:64] = r[0:32] * F32(1.0 / 3.0)                       # non-exact scales: rounded errors
     rows.append(r)
     # block maxima around every scale quirk: 6 * (UE4M3 values, midpoints, 248, 256, 448, > 448)
-    s = np.concatenate([np.arange(1, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32),
+    s = np.concatenate([_e4m3_values().astype(F32),
                         np.array([2.0 ** -10, 7.5 * 2.0 ** -9, 240, 247.9, 248, 255.9, 256, 416, 448, 500], F32)])
     s = np.concatenate([s, s * F32(1.0625), np.nextafter(s, F32(0)), np.nextafter(s, F32(1e9))])
     blk = rng.uniform(-1, 1, (s.size, 16)).astype(F32) * (s * F32(6))[:, None]

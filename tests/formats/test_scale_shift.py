@@ -2,12 +2,14 @@
 scale-only adapters: the decomposition is dequantize bit for bit; a zero offset leaves every byte alone;
 a shifted scale is the byte the target's own encoder gives (ml_dtypes for E4M3, libggml's NVFP4 quantizer
 for ggml's UE4M3, float64 log2 for E8M0); no shift ever produces a zero or NaN byte."""
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 from qatfactory.formats import PackedTensor, get_format
+from optional_imports import needed
+
+ml_dtypes = needed("ml_dtypes")   # the independent low-precision casts these tests compare with
 
 SHIFTABLE = ["nvfp4", "nvfp4_ggml", "mxfp4", "mxfp4_rceil", "mxfp4_even", "mxfp4_ggml"]
 
