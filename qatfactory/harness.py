@@ -35,8 +35,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from lm_eval.api.model import TemplateLM
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:   # the eval extra is optional: the one line the command prints names it
+    raise ImportError(f"lm-eval is not installed ({e}); pip install 'qatfactory[eval]'") from None
 from tqdm import tqdm
 
 from . import _fsutil, assets

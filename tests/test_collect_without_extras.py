@@ -62,3 +62,14 @@ def test_tests_collect_without_the_optional_packages_and_keep_every_cuda_test(tm
     _, cuda = _collect(env, "-m", "cuda")
     assert cuda, "no CUDA test collected at all"
     assert cuda <= ids, sorted(cuda - ids)[:20]
+
+
+def test_eval_without_lm_eval_names_the_extra_in_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(HIDE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    hidden = dict(env, PYTHONPATH=str(tmp_path), QF_TEST_ABSENT="lm_eval")
+    r = subprocess.run([sys.executable, "-m", "qatfactory.cli", "eval", str(tmp_path), "tasks=qf_arc_easy"],
+                       cwd=tmp_path, env=hidden, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "pip install 'qatfactory[eval]'" in last and "Traceback" not in r.stderr
