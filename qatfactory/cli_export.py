@@ -36,9 +36,43 @@ def load_converted(student: str, source_dir: Optional[str] = None):
         if not os.path.isdir(source_dir):
             raise FileNotFoundError(f"--source-dir {source_dir!r} does not exist")
         cm.source_dir = source_dir
-    elif cm.source_dir is None:
-        cm.source_dir = student  # tokenizer files saved beside the student are copied when present
+    else:
+        # the model folder the student recorded, else tokenizer files saved beside the student
+        cm.source_dir = recorded_source(student, model.config) or student
     return cm
+
+
+def recorded_source(student: str, config) -> Optional[str]:
+    """The model folder a student's record names, used only when it still is that model: a folder (not a
+    link) holding a config.json of the student's architecture and vocabulary, and tokenizer files. A record
+    naming anything else is not followed; the note says why and the export goes on without it."""
+    from qatfactory.exporters.base import SOURCE_FILES  # noqa: PLC0415 (CLI start)
+    from qatfactory.quantize.io import read_record  # noqa: PLC0415 (CLI start)
+
+    src = read_record(student).get("source_dir")
+    if not src:
+        return None
+    why = None
+    if os.path.islink(src) or not os.path.isdir(src):
+        why = "it no longer exists" if not os.path.lexists(src) else "it is not a folder"
+    else:
+        try:
+            with open(os.path.join(src, "config.json")) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            theirs = None
+        if not isinstance(theirs, dict):
+            why = "it holds no readable config.json"
+        elif (theirs.get("model_type"), theirs.get("vocab_size")) != (config.model_type, config.vocab_size):
+            why = (f"its config.json ({theirs.get('model_type')}, vocabulary {theirs.get('vocab_size')}) is not the "
+                   f"student's ({config.model_type}, vocabulary {config.vocab_size})")
+        elif not any(os.path.isfile(os.path.join(src, n)) for n in SOURCE_FILES if n.startswith("tokenizer")):
+            why = "it holds no tokenizer files"
+    if why:
+        print(f"note: the student's source model folder {src} is not used ({why}); give --source-dir to copy "
+              f"the tokenizer from elsewhere", file=sys.stderr)
+        return None
+    return src
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true",
                    help="replace an earlier export of ours (its qatfactory.json) or an empty directory; never "
                         "anything else (a user directory, a run, the student itself)")
-    e.add_argument("--source-dir", default=None, help="base model dir for tokenizer/generation config/chat template")
+    e.add_argument("--source-dir", default=None,
+                   help="base model dir for tokenizer/generation config/chat template (default: the model folder "
+                        "the student recorded, when it is still that model)")
     e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="vllm/sglang: safetensors shard size")

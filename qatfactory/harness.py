@@ -39,7 +39,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from . import _fsutil, assets
+from . import _fsutil, _quiet, assets
 from . import exitcodes as X
 from .assets import sha256_file
 from .exitcodes import BadInputError, UsageError
@@ -477,11 +477,19 @@ def run(argv: List[str]) -> Dict[str, Any]:
     lm, info = build_lm(target, kind, tok, opts)
     gen = {"max_gen_toks": _int(opts, "max_gen_toks")} if "max_gen_toks" in opts else None
     t0 = time.time()
+    # lm-eval records the commit of the current directory by running git unasked, whose "fatal: not a
+    # git repository" lands on the user's terminal outside a clone: ask git only inside a work tree
+    import lm_eval.evaluator as lm_evaluator  # noqa: PLC0415 (heavy: lm_eval's evaluator, loaded above)
+    git_hash = getattr(lm_evaluator, "get_git_commit_hash", None)
+    if git_hash is not None:
+        lm_evaluator.get_git_commit_hash = _quiet.git_commit
     try:
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=_int(opts, "limit"),
                               num_fewshot=_int(opts, "num_fewshot", lo=0), log_samples=_bool(opts, "log_samples"),
                               bootstrap_iters=0, gen_kwargs=gen)
     finally:
+        if git_hash is not None:
+            lm_evaluator.get_git_commit_hash = git_hash
         if isinstance(lm, LlamaCppLM):
             lm.close()
     rec = {"target": str(target), "kind": kind, **info, "tasks": tasks, "limit": opts.get("limit"),

@@ -33,13 +33,26 @@ def _student_state(model) -> Dict[str, torch.Tensor]:
     return out
 
 
-def save_student(model: nn.Module, out_dir: str) -> str:
+def _model_folder(path) -> Optional[str]:
+    """``path`` as an absolute folder name when it is a model folder (config.json, not a student of ours)."""
+    if not path or not isinstance(path, (str, os.PathLike)):
+        return None
+    p = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(p, "config.json")) or os.path.isfile(os.path.join(p, QUANT_FILE)):
+        return None
+    return p
+
+
+def save_student(model: nn.Module, out_dir: str, source_dir: Optional[str] = None) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
     Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
-    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
+    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json).
+    The record names the model folder the student came from (``source_dir``, else the folder the model
+    was loaded from), where `qatfactory export` finds the tokenizer; loaders check it before use."""
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
+    source = _model_folder(source_dir) or _model_folder(getattr(getattr(model, "config", None), "_name_or_path", None))
     with _fsutil.atomic_dir(out_dir, replace=True, kinds=("student",), what="save_student") as tmp:
         tmp = str(tmp)
         model.config.save_pretrained(tmp)
@@ -50,7 +63,7 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
-                       "model_class": type(model).__name__}, f, indent=2)
+                       "model_class": type(model).__name__, "source_dir": source}, f, indent=2)
     return out_dir
 
 
@@ -109,6 +122,10 @@ def read_record(path: str) -> Dict:
     if dt not in STUDENT_DTYPES:
         raise CorruptFileError(f"{qpath}: dtype = {str(dt)[:60]!r}; allowed: {list(STUDENT_DTYPES)}")
     meta.setdefault("dtype", dt)
+    src = meta.get("source_dir")
+    if src is not None and not (isinstance(src, str) and os.path.isabs(src)):
+        raise CorruptFileError(f"{qpath}: source_dir = {str(src)[:60]!r}; allowed: null or an absolute folder name "
+                               f"(the model folder the student came from)")
     return meta
 
 
