@@ -162,7 +162,8 @@ def lookup(table, cmd):
 
 def tiny_model_folder(dst: Path):
     """A random 2-layer Llama and a byte-level BPE trained here: a model folder with a tokenizer."""
-    from tests.tiny_llm import tiny_llama, train_bpe
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_llm import tiny_llama, train_bpe
     tok = train_bpe(dst, ["Some text of yours. More of it. The quick brown fox jumps over the lazy dog."] * 20, 300)
     tiny_llama(tok, intermediate_size=128, max_position_embeddings=256).save_pretrained(dst)
     return dst
