@@ -27,6 +27,7 @@ def load_converted(student: str, source_dir: Optional[str] = None):
     """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
     generation config and chat template are copied from)."""
     from qatfactory.quantize import convert, load_student  # noqa: PLC0415 (CLI start)
+    from qatfactory.quantize.io import recorded_source  # noqa: PLC0415 (CLI start)
 
     if not os.path.isdir(student):
         raise FileNotFoundError(f"student directory {student!r} does not exist (expected a save_student output)")
@@ -38,41 +39,11 @@ def load_converted(student: str, source_dir: Optional[str] = None):
         cm.source_dir = source_dir
     else:
         # the model folder the student recorded, else tokenizer files saved beside the student
-        cm.source_dir = recorded_source(student, model.config) or student
+        src, why = recorded_source(student)
+        if why:
+            print(f"note: {why}; give --source-dir to copy the tokenizer from elsewhere", file=sys.stderr)
+        cm.source_dir = src or student
     return cm
-
-
-def recorded_source(student: str, config) -> Optional[str]:
-    """The model folder a student's record names, used only when it still is that model: a folder (not a
-    link) holding a config.json of the student's architecture and vocabulary, and tokenizer files. A record
-    naming anything else is not followed; the note says why and the export goes on without it."""
-    from qatfactory.exporters.base import SOURCE_FILES  # noqa: PLC0415 (CLI start)
-    from qatfactory.quantize.io import read_record  # noqa: PLC0415 (CLI start)
-
-    src = read_record(student).get("source_dir")
-    if not src:
-        return None
-    why = None
-    if os.path.islink(src) or not os.path.isdir(src):
-        why = "it no longer exists" if not os.path.lexists(src) else "it is not a folder"
-    else:
-        try:
-            with open(os.path.join(src, "config.json")) as f:
-                theirs = json.load(f)
-        except (OSError, ValueError):
-            theirs = None
-        if not isinstance(theirs, dict):
-            why = "it holds no readable config.json"
-        elif (theirs.get("model_type"), theirs.get("vocab_size")) != (config.model_type, config.vocab_size):
-            why = (f"its config.json ({theirs.get('model_type')}, vocabulary {theirs.get('vocab_size')}) is not the "
-                   f"student's ({config.model_type}, vocabulary {config.vocab_size})")
-        elif not any(os.path.isfile(os.path.join(src, n)) for n in SOURCE_FILES if n.startswith("tokenizer")):
-            why = "it holds no tokenizer files"
-    if why:
-        print(f"note: the student's source model folder {src} is not used ({why}); give --source-dir to copy "
-              f"the tokenizer from elsewhere", file=sys.stderr)
-        return None
-    return src
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,8 +152,8 @@ def _run(args) -> int:
     cm = load_converted(args.against, args.source_dir)
     res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=not args.no_llama_cpp)
     _print_result(res, args.quiet)
-    if args.json:
-        check_report_path(args.json, [args.export_dir, args.against, args.source_dir])
+    if args.json:       # again, with the model folder the student's record named (its tokenizer was compared)
+        check_report_path(args.json, [args.export_dir, args.against, args.source_dir, cm.source_dir])
         write_text_atomic(args.json, json.dumps({REPORT_KEY: 1, **res.to_dict()}, indent=2) + "\n")
     return verdict_code(res)
 

@@ -203,6 +203,14 @@ def kind_of(target: Path) -> str:
 def load_tokenizer(target: Path, opts: Dict[str, str]):
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
     cand = Path(opts["tokenizer"]) if "tokenizer" in opts else (target if target.is_dir() else target.parent)
+    if "tokenizer" not in opts and (cand / "qatfactory_quant.json").is_file() and not (
+            (cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
+        # a student without tokenizer files: the model folder its record names, while it still is that model
+        from .quantize.io import recorded_source  # noqa: PLC0415 (heavy: quantize loads torch)
+        src, why = recorded_source(str(cand))
+        if why:
+            print(f"note: {why}", file=sys.stderr)
+        cand = Path(src) if src else cand
     if not ((cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
         raise BadInputError(f"qatfactory eval: no tokenizer in {cand}; give tokenizer=DIR (the model directory the "
                             f"student was trained from)")

@@ -65,3 +65,21 @@ def test_eval_outside_a_clone_prints_no_git_error(student, tmp_path, capfd, monk
     assert "fatal" not in out + err and (tmp_path / "ev" / "results.json").is_file()
     import lm_eval.evaluator
     assert lm_eval.evaluator.get_git_commit_hash is not _quiet.git_commit     # put back after the run
+
+
+def test_missing_tensorboard_is_said_only_when_asked(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    from qatfactory.train.runlog import RunLogger
+    real = builtins.__import__
+
+    def no_tensorboard(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("no tensorboard")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    RunLogger(tmp_path / "a", True, None, progress=False)          # the default: TensorBoard when installed
+    RunLogger(tmp_path / "b", True, False, progress=False)
+    assert capsys.readouterr().out == ""
+    RunLogger(tmp_path / "c", True, True, progress=False)          # train.tensorboard=true: asked for, so said
+    assert "tensorboard is not installed" in capsys.readouterr().out

@@ -115,3 +115,17 @@ def test_save_student_records_the_folder_the_model_was_loaded_from(tmp_path):
     # a student saved again from a loaded student keeps no record of the first student's folder
     save_student(load_student(str(tmp_path / "a")), str(tmp_path / "b"))
     assert json.loads((tmp_path / "b" / "qatfactory_quant.json").read_text())["source_dir"] is None
+
+
+def test_eval_of_a_student_finds_the_recorded_tokenizer(trained, tmp_path, capsys):
+    from qatfactory import harness
+    model, student = trained
+    tok = harness.load_tokenizer(student, {})
+    assert tok.name_or_path == str(model.resolve())
+    st = _copy(student, tmp_path / "student")
+    rec = json.loads((st / "qatfactory_quant.json").read_text())
+    rec["source_dir"] = str(tmp_path / "gone")
+    (st / "qatfactory_quant.json").write_text(json.dumps(rec))
+    with pytest.raises(harness.BadInputError, match="no tokenizer in .*give tokenizer=DIR"):
+        harness.load_tokenizer(st, {})
+    assert "no longer exists" in capsys.readouterr().err

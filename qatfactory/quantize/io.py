@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import safetensors.torch
 import torch
@@ -133,3 +133,37 @@ def _student_tied_keys(model) -> List[str]:
     sd = model.state_dict()
     kept = set(_student_state(model))
     return [k for k in sd if k not in kept]
+
+
+# the files a tokenizer loads from (transformers' fast / sentencepiece tokenizers and their settings)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def recorded_source(student: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the model folder a student's record names, why it is not used). The folder is used only while it still
+    is that model: a folder (not a link) whose config.json has the student's model type and vocabulary size,
+    holding tokenizer files. Anything else is not followed and the second value says why; (None, None) when
+    the record names no folder. A malformed record is a CorruptFileError (exit 4)."""
+    src = read_record(student).get("source_dir")
+    if not src:
+        return None, None
+    mine = read_json(os.path.join(student, "config.json"), want=dict)
+    why = None
+    if os.path.islink(src) or not os.path.isdir(src):
+        why = "it no longer exists" if not os.path.lexists(src) else "it is not a folder"
+    else:
+        try:
+            with open(os.path.join(src, "config.json")) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            theirs = None
+        if not isinstance(theirs, dict):
+            why = "it holds no readable config.json"
+        elif (theirs.get("model_type"), theirs.get("vocab_size")) != (mine.get("model_type"), mine.get("vocab_size")):
+            why = (f"its config.json ({theirs.get('model_type')}, vocabulary {theirs.get('vocab_size')}) is not the "
+                   f"student's ({mine.get('model_type')}, vocabulary {mine.get('vocab_size')})")
+        elif not any(os.path.isfile(os.path.join(src, n)) for n in TOKENIZER_FILES):
+            why = "it holds no tokenizer files"
+    if why:
+        return None, f"the student's source model folder {src} is not used ({why})"
+    return src, None
