@@ -240,6 +240,9 @@ def test_quick_start_runs_as_written(ran, page):
             assert s in out, f"{page}: {cmd!r} did not print {s!r}\n{out[-3000:]}"
         for f in files:
             assert (base / ws / f).exists(), f"{page}: {cmd!r} did not write {f}"
+        if page in ("docs/training.md", "docs/before-a-run.md"):
+            # one run: `--cfg job` and the refused train.lr=inf wrote nothing
+            assert len(list((base / ws / "runs").iterdir())) == 1
         if "method.rl.task=say7" in cmd:
             # "learning the shaped reward": the held-out reward at the end is above the start
             start, end = map(float, re.search(r"^eval/reward\s+(\S+)\s+(\S+)$", out, re.M).groups())
