@@ -2,6 +2,7 @@
 
     qatfactory train method=qad format=nvfp4_w4a16 model=smollm2_135m train.max_steps=200
     qatfactory train plugins=[my.methods] method=my_sft ...   (a method registered outside the package)
+    qatfactory train ... --cfg job                  (print the composed settings, run nothing)
     qatfactory eval --checkpoint runs/<run>/checkpoints/step-000200 [overrides]
     qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.harness)
     qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from . import _quiet
 from . import exitcodes as X
 from .exitcodes import BadInputError, UsageError
 
@@ -75,6 +77,24 @@ def _gate_code(summary) -> int:
     return X.INCOMPLETE if v.get("verdict") == "INCOMPLETE" else X.FAIL
 
 
+def _cfg_flag(argv: List[str]):
+    """(argv without Hydra's ``--cfg job`` / ``--cfg=job`` / ``-c job``, whether it was there, an error)."""
+    out, show, i = [], False, 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--cfg", "-c") or a.startswith("--cfg="):
+            val = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+            i += 1 if "=" in a else 2
+            if val != "job":
+                return argv, False, (f"--cfg {val if val is not None else '(nothing)'}: allowed: --cfg job "
+                                     f"(print the composed settings and exit without running)")
+            show = True
+            continue
+        out.append(a)
+        i += 1
+    return out, show, None
+
+
 def train_main(argv: List[str]) -> int:
     """Exit codes (qatfactory.exitcodes): 0 done (and the export's gate PASSed), 1 the gate FAILed,
     2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
@@ -82,10 +102,15 @@ def train_main(argv: List[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from .train.config import recipes_dir  # noqa: PLC0415 (CLI start)
         r = recipes_dir()
-        print("usage: qatfactory train [group=option ...] [key=value ...]\n\nrecipe groups:")
+        print("usage: qatfactory train [group=option ...] [key=value ...] [--cfg job]\n\n"
+              "--cfg job: print the composed settings and exit without running\n\nrecipe groups:")
         for g in sorted(p for p in r.iterdir() if p.is_dir()):
             print(f"  {g.name}: {', '.join(sorted(x.stem for x in g.glob('*.yaml')))}")
         return 0
+    argv, show, err = _cfg_flag(argv)
+    if err:
+        print(f"qatfactory train: USAGE: {err}", file=sys.stderr)
+        return X.USAGE
     bad = [a for a in argv if a.startswith("-")]
     if bad:
         print(f"qatfactory train: USAGE: unknown option(s) {bad}; overrides are key=value (see --help)",
@@ -98,6 +123,13 @@ def train_main(argv: List[str]) -> int:
         check_request(cfg)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
         return X.report("qatfactory train", e, X.USAGE if not isinstance(e, KeyboardInterrupt) else X.INTERRUPTED)
+    if show:
+        # Hydra's `--cfg job`: the composed, checked settings (what the run's config.yaml would hold), no run
+        from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
+
+        from .train.config import to_dict  # noqa: PLC0415 (CLI start)
+        print(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))), end="")
+        return X.OK
     try:
         # the trainer returns its student; this face ships it (export + the parity gate)
         from .ship import train_and_ship  # noqa: PLC0415 (CLI start)
@@ -262,6 +294,7 @@ COMMANDS = {
 def main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: qatfactory.exitcodes (README, reliability)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet.install()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return X.OK if argv else X.USAGE

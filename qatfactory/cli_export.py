@@ -27,6 +27,7 @@ def load_converted(student: str, source_dir: Optional[str] = None):
     """ConvertedModel of a save_student directory (source_dir overrides where the tokenizer,
     generation config and chat template are copied from)."""
     from qatfactory.quantize import convert, load_student  # noqa: PLC0415 (CLI start)
+    from qatfactory.quantize.io import recorded_source  # noqa: PLC0415 (CLI start)
 
     if not os.path.isdir(student):
         raise FileNotFoundError(f"student directory {student!r} does not exist (expected a save_student output)")
@@ -36,8 +37,12 @@ def load_converted(student: str, source_dir: Optional[str] = None):
         if not os.path.isdir(source_dir):
             raise FileNotFoundError(f"--source-dir {source_dir!r} does not exist")
         cm.source_dir = source_dir
-    elif cm.source_dir is None:
-        cm.source_dir = student  # tokenizer files saved beside the student are copied when present
+    else:
+        # the model folder the student recorded, else tokenizer files saved beside the student
+        src, why = recorded_source(student)
+        if why:
+            print(f"note: {why}; give --source-dir to copy the tokenizer from elsewhere", file=sys.stderr)
+        cm.source_dir = src or student
     return cm
 
 
@@ -55,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true",
                    help="replace an earlier export of ours (its qatfactory.json) or an empty directory; never "
                         "anything else (a user directory, a run, the student itself)")
-    e.add_argument("--source-dir", default=None, help="base model dir for tokenizer/generation config/chat template")
+    e.add_argument("--source-dir", default=None,
+                   help="base model dir for tokenizer/generation config/chat template (default: the model folder "
+                        "the student recorded, when it is still that model)")
     e.add_argument("--dense-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="llama_cpp: type of unquantized 2-D tensors (norms/routers are always F32)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="vllm/sglang: safetensors shard size")
@@ -145,8 +152,8 @@ def _run(args) -> int:
     cm = load_converted(args.against, args.source_dir)
     res = verify(args.export_dir, cm, logits=not args.no_logits, llama_cpp=not args.no_llama_cpp)
     _print_result(res, args.quiet)
-    if args.json:
-        check_report_path(args.json, [args.export_dir, args.against, args.source_dir])
+    if args.json:       # again, with the model folder the student's record named (its tokenizer was compared)
+        check_report_path(args.json, [args.export_dir, args.against, args.source_dir, cm.source_dir])
         write_text_atomic(args.json, json.dumps({REPORT_KEY: 1, **res.to_dict()}, indent=2) + "\n")
     return verdict_code(res)
 

@@ -42,7 +42,7 @@ except ImportError as e:   # the eval extra is optional: the one line the comman
     raise ImportError(f"lm-eval is not installed ({e}); pip install 'qatfactory[eval]'") from None
 from tqdm import tqdm
 
-from . import _fsutil, assets
+from . import _fsutil, _quiet, assets
 from . import exitcodes as X
 from .assets import sha256_file
 from .exitcodes import BadInputError, UsageError
@@ -206,6 +206,14 @@ def kind_of(target: Path) -> str:
 def load_tokenizer(target: Path, opts: Dict[str, str]):
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy: transformers)
     cand = Path(opts["tokenizer"]) if "tokenizer" in opts else (target if target.is_dir() else target.parent)
+    if "tokenizer" not in opts and (cand / "qatfactory_quant.json").is_file() and not (
+            (cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
+        # a student without tokenizer files: the model folder its record names, while it still is that model
+        from .quantize.io import recorded_source  # noqa: PLC0415 (heavy: quantize loads torch)
+        src, why = recorded_source(str(cand))
+        if why:
+            print(f"note: {why}", file=sys.stderr)
+        cand = Path(src) if src else cand
     if not ((cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
         raise BadInputError(f"qatfactory eval: no tokenizer in {cand}; give tokenizer=DIR (the model directory the "
                             f"student was trained from)")
@@ -480,11 +488,19 @@ def run(argv: List[str]) -> Dict[str, Any]:
     lm, info = build_lm(target, kind, tok, opts)
     gen = {"max_gen_toks": _int(opts, "max_gen_toks")} if "max_gen_toks" in opts else None
     t0 = time.time()
+    # lm-eval records the commit of the current directory by running git unasked, whose "fatal: not a
+    # git repository" lands on the user's terminal outside a clone: ask git only inside a work tree
+    import lm_eval.evaluator as lm_evaluator  # noqa: PLC0415 (heavy: lm_eval's evaluator, loaded above)
+    git_hash = getattr(lm_evaluator, "get_git_commit_hash", None)
+    if git_hash is not None:
+        lm_evaluator.get_git_commit_hash = _quiet.git_commit
     try:
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=_int(opts, "limit"),
                               num_fewshot=_int(opts, "num_fewshot", lo=0), log_samples=_bool(opts, "log_samples"),
                               bootstrap_iters=0, gen_kwargs=gen)
     finally:
+        if git_hash is not None:
+            lm_evaluator.get_git_commit_hash = git_hash
         if isinstance(lm, LlamaCppLM):
             lm.close()
     rec = {"target": str(target), "kind": kind, **info, "tasks": tasks, "limit": opts.get("limit"),

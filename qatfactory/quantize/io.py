@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import safetensors.torch
 import torch
@@ -33,13 +33,26 @@ def _student_state(model) -> Dict[str, torch.Tensor]:
     return out
 
 
-def save_student(model: nn.Module, out_dir: str) -> str:
+def _model_folder(path) -> Optional[str]:
+    """``path`` as an absolute folder name when it is a model folder (config.json, not a student of ours)."""
+    if not path or not isinstance(path, (str, os.PathLike)):
+        return None
+    p = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(p, "config.json")) or os.path.isfile(os.path.join(p, QUANT_FILE)):
+        return None
+    return p
+
+
+def save_student(model: nn.Module, out_dir: str, source_dir: Optional[str] = None) -> str:
     """config.json + model.safetensors (weights and quantizer state) + qatfactory_quant.json.
     Written to a temporary directory beside out_dir, then renamed into place. An existing out_dir
-    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json)."""
+    is replaced only when it is empty or an earlier save_student output (its qatfactory_quant.json).
+    The record names the model folder the student came from (``source_dir``, else the folder the model
+    was loaded from), where `qatfactory export` finds the tokenizer; loaders check it before use."""
     cfg: QuantConfig = getattr(model, "_qf_config", None)
     if cfg is None:
         raise ValueError("save_student: the model is not prepared")
+    source = _model_folder(source_dir) or _model_folder(getattr(getattr(model, "config", None), "_name_or_path", None))
     with _fsutil.atomic_dir(out_dir, replace=True, kinds=("student",), what="save_student") as tmp:
         tmp = str(tmp)
         model.config.save_pretrained(tmp)
@@ -50,7 +63,7 @@ def save_student(model: nn.Module, out_dir: str) -> str:
         dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")
         with open(os.path.join(tmp, QUANT_FILE), "w") as f:
             json.dump({"quant_config": cfg.to_dict(), "dtype": dtype,
-                       "model_class": type(model).__name__}, f, indent=2)
+                       "model_class": type(model).__name__, "source_dir": source}, f, indent=2)
     return out_dir
 
 
@@ -109,6 +122,10 @@ def read_record(path: str) -> Dict:
     if dt not in STUDENT_DTYPES:
         raise CorruptFileError(f"{qpath}: dtype = {str(dt)[:60]!r}; allowed: {list(STUDENT_DTYPES)}")
     meta.setdefault("dtype", dt)
+    src = meta.get("source_dir")
+    if src is not None and not (isinstance(src, str) and os.path.isabs(src)):
+        raise CorruptFileError(f"{qpath}: source_dir = {str(src)[:60]!r}; allowed: null or an absolute folder name "
+                               f"(the model folder the student came from)")
     return meta
 
 
@@ -116,3 +133,37 @@ def _student_tied_keys(model) -> List[str]:
     sd = model.state_dict()
     kept = set(_student_state(model))
     return [k for k in sd if k not in kept]
+
+
+# the files a tokenizer loads from (transformers' fast / sentencepiece tokenizers and their settings)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def recorded_source(student: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the model folder a student's record names, why it is not used). The folder is used only while it still
+    is that model: a folder (not a link) whose config.json has the student's model type and vocabulary size,
+    holding tokenizer files. Anything else is not followed and the second value says why; (None, None) when
+    the record names no folder. A malformed record is a CorruptFileError (exit 4)."""
+    src = read_record(student).get("source_dir")
+    if not src:
+        return None, None
+    mine = read_json(os.path.join(student, "config.json"), want=dict)
+    why = None
+    if os.path.islink(src) or not os.path.isdir(src):
+        why = "it no longer exists" if not os.path.lexists(src) else "it is not a folder"
+    else:
+        try:
+            with open(os.path.join(src, "config.json")) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            theirs = None
+        if not isinstance(theirs, dict):
+            why = "it holds no readable config.json"
+        elif (theirs.get("model_type"), theirs.get("vocab_size")) != (mine.get("model_type"), mine.get("vocab_size")):
+            why = (f"its config.json ({theirs.get('model_type')}, vocabulary {theirs.get('vocab_size')}) is not the "
+                   f"student's ({mine.get('model_type')}, vocabulary {mine.get('vocab_size')})")
+        elif not any(os.path.isfile(os.path.join(src, n)) for n in TOKENIZER_FILES):
+            why = "it holds no tokenizer files"
+    if why:
+        return None, f"the student's source model folder {src} is not used ({why})"
+    return src, None

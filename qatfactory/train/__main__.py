@@ -5,10 +5,12 @@ This file is a face, not part of the trainer: the entry point the launcher runs,
 ``qatfactory train`` (cli.train_main: train, then ship the student). Nothing imports it."""
 import sys
 
+from .. import _quiet
 from ..cli import train_main
 
 
 def main(argv=None) -> int:
+    _quiet.install()
     return train_main(sys.argv[1:] if argv is None else argv)
 
 

@@ -132,7 +132,7 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     progress: bool = True
     plots: bool = True
-    tensorboard: bool = True
+    tensorboard: Optional[bool] = None  # None: TensorBoard logs when it is installed; true: say so when it is not
     # ParetoQ's full-precision-then-QAT schedule, run by the methods that support it (qat, qad;
     # train/methods/quant_start.py): the first round(quant_start * max_steps) steps train with
     # quantization off, then the scales are calibrated from the trained weights, quantization switches

@@ -540,7 +540,7 @@ def _finalize(cfg: RunConfig, lm, run_dir: Path, rank: int, source_dir, eval_pro
                            "linears": [n for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)
                                        or hasattr(m, "in_features") and hasattr(m, "weight")]}
     elif cfg.train.save_student:
-        Q.save_student(lm, str(run_dir / "student"))
+        Q.save_student(lm, str(run_dir / "student"), source_dir=source_dir)
         out["student_dir"] = student.student_dir = str(run_dir / "student")
     if not cfg.export.enabled:
         return out, student

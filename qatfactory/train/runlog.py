@@ -6,7 +6,7 @@ import math
 import os
 import resource
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -21,7 +21,7 @@ def memory_gb() -> float:
 class RunLogger:
     """Rank 0 writes; other ranks hold a silent logger."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, progress: bool = True,
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: Optional[bool] = None, progress: bool = True,
                  total: int = 0, start: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
@@ -29,13 +29,15 @@ class RunLogger:
         self.bar = None
         if not enabled:
             return
-        if tensorboard:
+        if tensorboard is not False:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional: tensorboard)
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
             except ImportError:
-                print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
-                      "(pip install tensorboard for TensorBoard logs)", flush=True)
+                # only a run that asked for TensorBoard hears that it is missing: metrics.jsonl has it all
+                if tensorboard:
+                    print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
+                          "(pip install tensorboard for TensorBoard logs)", flush=True)
         if progress and total > start:
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
 

@@ -235,7 +235,7 @@ class Method:
         cfg, lm = ctx.cfg, ctx.model
         sdir = Path(ctx.run_dir) / "student"
         if quantized(cfg):
-            Q.save_student(lm, str(sdir))
+            Q.save_student(lm, str(sdir), source_dir=ctx.source_dir)
         elif cfg.train.save_student:
             with _fsutil.atomic_dir(sdir, replace=True, kinds=("student",), what="save_student") as tmp:
                 lm.save_pretrained(str(tmp))   # a plain HF model
