@@ -1,4 +1,4 @@
-"""The KV-cache part of an export (issue 22): which engines can run the cache type the student was
+"""The KV-cache part of an export: which engines can run the cache type the student was
 trained for, the k/v scale tensors and config keys they read, and the flags that turn the cache on.
 
 Containers (the student's scales are ``ConvertedModel.kv_cache["layers"][attn]["k_scale"]``, float32):

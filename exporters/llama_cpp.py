@@ -30,7 +30,7 @@ permuted byte-wise. qwen2/qwen3/qwen3moe use NeoX RoPE and are not permuted.
 
 Sources: llama.cpp (commit 0c1e570 as vendored in llama-cpp-python 0.3.36) convert_hf_to_gguf.py,
 conversion/llama.py, qwen.py, src/llama-model.cpp, ggml-common.h; gguf-py 0.19.0 constants.py,
-gguf_writer.py (facts collected in shared/reference/exporters.md section 6).
+gguf_writer.py.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
 from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, GGMLType, GGUFLayout
 
-from . import kv as KV  # issue 22: the cache type the student was trained for
+from . import kv as KV  # the cache type the student was trained for
 from .base import (
     Exporter,
     ExportError,
@@ -270,7 +270,7 @@ class LlamaCppExporter(Exporter):
             gguf_layout(name, p)
         activation_mode(converted)
         tied_duplicates(converted)
-        KV.check_kv(converted, "llama_cpp", flavour)   # issue 22: a llama.cpp cache type, or none
+        KV.check_kv(converted, "llama_cpp", flavour)   # a llama.cpp cache type, or none
 
     def write(self, converted: ConvertedModel, out: Path, flavour: str, dense_dtype: str = "auto",
               tokenizer_pre: Optional[str] = None, **options):
@@ -437,7 +437,7 @@ class LlamaCppExporter(Exporter):
         extra = {"gguf_file": GGUF_NAME, "architecture": arch, "qk_permuted": permute, "tokenizer": tok_info,
                  "ggml_types": {gguf.GGMLQuantizationType(k).name: v for k, v in sorted(type_counts.items())},
                  "mode": mode, "tied_embeddings": ties_embeddings(converted)}
-        extra.update(KV.kv_record(converted, "llama_cpp"))   # issue 22: the cache type and its flags
+        extra.update(KV.kv_record(converted, "llama_cpp"))   # the cache type and its flags
         return files, extra
 
 

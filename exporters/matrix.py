@@ -133,19 +133,18 @@ PROVEN_BY = {
        "Q4_K_M per-tensor type choice (`q4_k_m`) is a TRANSCRIPTION of llama.cpp's llama-quant.cpp until a run of "
        "llama-quantize confirms it",
 }
-# The engine itself loading the flavour's exports (issue 16): the last GPU runs of benchmarks/gpu/engines.sh,
-# whose numbers are in benchmarks/results/engines_vllm_h200.json (compressed-tensors cells, 10:43 UTC) and
-# engines_vllm_h200_modelopt_moe.json (ModelOpt and MoE cells, 16:28 UTC), and SGLang's in
-# benchmarks/results/h100_20261206_s33/engines/engines.json; tests/test_readme.py keeps them equal
+# The engine itself loading the flavour's exports: the last GPU runs of benchmarks/gpu/engines.sh, whose
+# numbers are in benchmarks/results/engines_h200_20261201/ (vLLM) and engines_sglang_h100_20261206/ (SGLang);
+# tests/test_readme.py keeps them equal
 ENGINE_RUN_ON = "vLLM 0.24.0 on one H200, 2026-12-01; SGLang 0.5.17 on one H100, 2026-12-06; torch 2.11.0+cu130"
 ENGINE_RUNS: Dict[Tuple[str, str], str] = {
-    (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper); run of 19:51 UTC, the GPU "
+    (V, CT): "yes: SmolLM2-135M QAD students, Marlin FP4 kernels (weight-only on Hopper); run of 2026-12-01, the GPU "
              "to itself. NVFP4 W4A16: KL to the student 0.0017 (its PTQ baseline 0.13), top-1 0.979, greedy tokens "
              "equal 0.484, tok/s 1.19x / 0.77x bf16 (batch 1 / 64); MXFP4 W4A16: 0.0019 (PTQ 0.36), top-1 0.973, "
              "greedy 0.486, 1.02x / 0.63x; MXFP4 W4A4: served weight-only (KL 0.0015 to the student's weight-only "
              "forward, 0.44 to its W4A4 forward), 1.14x / 0.77x; tiny random Qwen3-MoE NVFP4 W4A16: Marlin MoE "
              "experts, KL to the student 0.00002, top-1 0.947, 1.19x / 0.72x",
-    (V, MO): "yes: SmolLM2-135M QAD students, Marlin FP4 (weight-only on Hopper); run of 19:51 UTC. NVFP4 W4A16: KL "
+    (V, MO): "yes: SmolLM2-135M QAD students, Marlin FP4 (weight-only on Hopper); run of 2026-12-01. NVFP4 W4A16: KL "
              "to the student 0.0017 (PTQ 0.13), top-1 0.979, greedy tokens equal 0.506, tok/s 0.95x / 0.71x bf16; "
              "NVFP4 W4A4: served weight-only (KL 0.0016 to the student's weight-only forward, 0.17 to its W4A4 "
              "forward), 1.19x / 0.75x; with an FP8 KV cache see the KV-cache section of benchmarks/RESULTS.md",

@@ -26,8 +26,7 @@ int4_lsq_g32, int4_lsq_g128 of formats/intgrid.py)::
     decode: code * weight_scale (compressed-tensors ``PackedQuantizationCompressor``, in the scale dtype)
 
 Sources: vLLM 0.33 ``quantization/modelopt.py`` and ``compressed_tensors/``; ModelOpt 0.47
-``export/unified_export_hf.py``; compressed-tensors 0.20.1 ``compressors/nvfp4``, ``mxfp4``
-(facts collected in shared/reference/exporters.md sections 2-4). Experts are written per expert
+``export/unified_export_hf.py``; compressed-tensors 0.20.1 ``compressors/nvfp4``, ``mxfp4``. Experts are written per expert
 (``...experts.E.gate_proj.weight``); routers, lm_head and every other unquantized linear stay in
 the model dtype and are listed in ``exclude_modules``/``ignore``.
 """
@@ -42,7 +41,7 @@ from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
-from . import kv as KV  # issue 22: k/v scales and kv-cache config keys
+from . import kv as KV  # k/v scales and kv-cache config keys
 from .base import (
     EMBED,
     LM_HEAD,
@@ -167,7 +166,7 @@ class SafetensorsExporter(Exporter):
         lay = self.layout_for(converted, flavour)
         check_fused_scales(converted)
         tied_duplicates(converted)
-        KV.check_kv(converted, self.engine, flavour)   # issue 22
+        KV.check_kv(converted, self.engine, flavour)
         mode = activation_mode(converted)
         if lay.codec is Codec.INT4_FP16:
             if mode == "w4a4":
@@ -230,7 +229,7 @@ class SafetensorsExporter(Exporter):
             # head untied: lm_head.weight is the embedding's own bytes, listed in exclude_modules, so the
             # engine computes the same logits the tied student does.
             tensors[LM_HEAD] = converted.dense[EMBED].clone()
-        kv_t = KV.kv_tensors(converted, flavour)           # issue 22: per-layer k_scale / v_scale
+        kv_t = KV.kv_tensors(converted, flavour)           # per-layer k_scale / v_scale
         if set(kv_t) & set(tensors):
             raise ExportError(f"k/v scale names {sorted(set(kv_t) & set(tensors))[:3]} clash with model tensors")
         tensors.update(kv_t)
@@ -250,14 +249,14 @@ class SafetensorsExporter(Exporter):
             cfg["architectures"] = _architectures(cfg.get("model_type"))
         if flavour == "modelopt":
             qc, hf_quant = self._modelopt_config(lay, mode, exclude)
-            algo, scheme = KV.modelopt_kv_config(converted)     # issue 22: None/None without a KV format
+            algo, scheme = KV.modelopt_kv_config(converted)     # None/None without a KV format
             hf_quant["quantization"]["kv_cache_quant_algo"] = algo
             qc["kv_cache_quant_algo"], qc["kv_cache_scheme"] = algo, scheme
             write_json(out / "hf_quant_config.json", hf_quant)
             files.append("hf_quant_config.json")
         else:
             qc = self._ct_config(lay, mode, exclude)
-            qc["kv_cache_scheme"] = KV.ct_kv_scheme(converted)  # issue 22
+            qc["kv_cache_scheme"] = KV.ct_kv_scheme(converted)
         cfg["quantization_config"] = qc
         write_json(out / "config.json", cfg)
         files.append("config.json")
@@ -269,7 +268,7 @@ class SafetensorsExporter(Exporter):
                                              "divide (G = 1/S)" if lay.codec is Codec.E2M1_E4M3_FP32 else
                                              "none (one scale per row / group)" if lay.codec is Codec.INT4_FP16 else
                                              "none (E8M0 only)")}
-        extra.update(KV.kv_record(converted, self.engine))   # issue 22
+        extra.update(KV.kv_record(converted, self.engine))
         return files, extra
 
     @staticmethod

@@ -164,10 +164,10 @@ def eval_main(argv: List[str]) -> int:
     checkpoint and evaluate it. The result goes to ``--out`` or to the run directory that holds the
     checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
     argv = _strip_launcher_args(list(argv))
-    # ---- issue 21: lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
+    # ---- lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
     if argv and not argv[0].startswith("-") and "--checkpoint" not in argv:
         return _delegate("qatfactory.harness", "eval", argv)
-    # ---- end issue 21
+    # ---- end
     if not argv or argv[0] in ("-h", "--help") or "--checkpoint" not in argv:
         print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]\n"
               "       qatfactory eval <student | model dir | GGUF export> tasks=t1,t2 [limit=N] [key=value ...]")
@@ -286,13 +286,13 @@ COMMANDS = {
     "verify": lambda a: _delegate("qatfactory.cli_export", "verify", ["verify"] + a),
     "bench": bench_main,
     "demo": lambda a: _delegate("qatfactory.demo", "demo", a),
-    # issue 18 (scale adapters): merge / swap / roll back scale files (qatfactory.cli_scales)
+    # scale adapters: merge / swap / roll back scale files (qatfactory.cli_scales)
     "scales": lambda a: _delegate("qatfactory.cli_scales", "scales", a),
 }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Exit codes: qatfactory.exitcodes (README, reliability)."""
+    """Exit codes: qatfactory.exitcodes (docs/reliability.md)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet.install()
     if not argv or argv[0] in ("-h", "--help"):

@@ -133,7 +133,7 @@ def _run(args) -> int:
             opts["max_shard_bytes"] = int(args.max_shard_gb * 2**30)
         r = ship(cm, args.engine, args.flavour, args.out, verify=args.verify, force=args.force, **opts)
         print(f"exported {r.engine}/{r.flavour} -> {args.out} ({', '.join(r.files)})")
-        kv = r.record.get("kv_cache")   # issue 22: the cache type the student was trained for
+        kv = r.record.get("kv_cache")   # the cache type the student was trained for
         if kv:
             att = kv.get("attention") or "none"
             how = f" and vLLM {kv.get('attention_backend')}'s FP8 attention ({att})" if att != "none" else ""

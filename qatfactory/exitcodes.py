@@ -1,4 +1,4 @@
-"""Exit codes of every ``qatfactory`` command (one table, read by the CLI and by the README).
+"""Exit codes of every ``qatfactory`` command (one table, read by the CLI and by docs/reliability.md).
 
     0  OK           the command did what was asked; for ``verify``: PASS (every required check ran and agreed)
     1  FAIL         the parity gate found a difference between an export and its student (also at the

@@ -1,4 +1,4 @@
-"""Native 4-bit checkpoints as frozen codes + scale bytes, for the scale-only adapters (issue 18).
+"""Native 4-bit checkpoints as frozen codes + scale bytes, for the scale-only adapters.
 
     ck = read_native("exports/nvfp4-ct")                 # ModelOpt / compressed-tensors / GGUF
     model = build_model(ck)                               # HF model, 4-bit linears -> ScaleAdapterLinear

@@ -120,7 +120,7 @@ def mark_failed(edir: Path, gate_: Dict[str, Any]) -> Path:
     failed = edir.with_name(edir.name + ".FAILED")
     _fsutil.write_text_atomic(edir / "FAILED.json", json.dumps(
         {"verdict": gate_["verdict"], "reasons": gate_["reasons"], "exported_as": str(edir),
-         "what": "the parity gate did not PASS on this export; do not serve it (see README, reliability)"},
+         "what": "the parity gate did not PASS on this export; do not serve it (see docs/reliability.md)"},
         indent=1))
     try:
         _fsutil.check_replaceable(failed, ("export",), "export.out_dir")

@@ -1,4 +1,4 @@
-"""Gate hook for scale-only adapters (Scale-QLoRA, issue 18): the merged export keeps the base's code plane.
+"""Gate hook for scale-only adapters (Scale-QLoRA): the merged export keeps the base's code plane.
 
     res = verify(out_dir, merged_student)                       # the gate, as for every export
     check_code_plane(res, out_dir, base_dir, merged_student)    # + codes byte-identical to the base export

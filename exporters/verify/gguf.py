@@ -32,7 +32,7 @@ from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
 from ..gguf_tokenizer import gate_check as tokenizer_gate
-from . import kv as KVG  # issue 22
+from . import kv as KVG
 from .common import (
     act_decode_scale,
     compare_values,
@@ -193,7 +193,7 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
         res.add(path.name, "sizes == tensors", FAIL, "; ".join(sizes[:4]) + "; nothing was built from this "
                 "metadata", source="gguf.GGUFReader")
         return
-    # issue 13: llama.cpp's own tokenizer on this file against the source's HF tokenizer
+    # llama.cpp's own tokenizer on this file against the source's HF tokenizer
     tokenizer_gate(res, path, student.source_dir or d, llama_cpp)
     # every tokenizer.* key by value against the source's tokenizer files (vocabulary, ids, templates)
     check_gguf_tokenizer(res, reader, Path(student.source_dir) if student.source_dir else None, cfg,
@@ -303,7 +303,7 @@ def _check_record(res, rec, student, fname, names, mode) -> None:
     bad = [f"{k}={rec.get(k)!r} (student / file: {v!r})" for k, v in want.items() if rec.get(k) != v]
     res.ok_or_fail("qatfactory.json", "record == student", not bad, "; ".join(bad) if bad else
                    f"{names.arch_name}, {mode}")
-    KVG.check_record(res, rec, student, "llama_cpp")   # issue 22: the cache type the student was trained for
+    KVG.check_record(res, rec, student, "llama_cpp")   # the cache type the student was trained for
 
 
 def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The gate's KV-cache checks (issue 22): the scales and config keys an engine reads to run the cache
+"""The gate's KV-cache checks: the scales and config keys an engine reads to run the cache
 type the student was trained for, compared with the student (``ConvertedModel.kv_cache``).
 
 Written here from the engines' conventions, not from the exporter (exporters/kv.py):

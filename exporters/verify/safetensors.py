@@ -27,7 +27,7 @@ import torch
 from qatfactory.formats import ConvertedModel, get_format
 from qatfactory.formats.layouts import Codec
 
-from . import kv as KVG  # issue 22: k/v scales and kv-cache config against the student
+from . import kv as KVG  # k/v scales and kv-cache config against the student
 from .common import (
     EMBED,
     LM_HEAD,
@@ -349,7 +349,7 @@ def _modelopt_config(res, d, qc, mode, exclude, student=None) -> None:
         res.add("hf_quant_config.json", "config", FAIL, str(e))
         hq = None
     if student is not None:
-        KVG.check_modelopt_config(res, qc, hq, student)   # issue 22: kv_cache_quant_algo / kv_cache_scheme
+        KVG.check_modelopt_config(res, qc, hq, student)   # kv_cache_quant_algo / kv_cache_scheme
     if hq is not None:
         q = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else {}
         prod = (hq.get("producer") or {}).get("name") if isinstance(hq.get("producer"), dict) else None

@@ -18,7 +18,7 @@ scores ``1 - |ord(c) - ord('7')| / 32`` (0 beyond), summed and divided by ``max_
 uniform random policy already sees a signal on a quarter of its bytes and the optimum is all '7'.
 
 Tasks (``TASKS``): ``gsm8k`` (the packaged test split, qatfactory.assets: items 0..999 train, 1000..1318
-held out, per reproductions in ../shared/reference/methods.md), ``arith`` (templated word problems
+held out), ``arith`` (templated word problems
 with small integers, difficulty ``ARITH_LEVELS[level]``; :func:`pick_level` calibrates the level so
 the base model's pass rate lands in a band, and raises :class:`NoSignal` when no level is ever answered
 right), ``say7``.

@@ -1,4 +1,4 @@
-"""`python -m qatfactory.formats` prints the README's table of formats from the registry."""
+"""`python -m qatfactory.formats` prints the table of formats in docs/formats.md from the registry."""
 from . import REGISTRY
 from .layouts import Codec
 

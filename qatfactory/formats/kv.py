@@ -247,7 +247,7 @@ def kv_formats_for(engine: str) -> List[str]:
 
 
 def markdown_table() -> str:
-    """The README's table of KV-cache formats (``python -m qatfactory.formats.kv``)."""
+    """The table of KV-cache formats in docs/kv-cache.md (``python -m qatfactory.formats.kv``)."""
     rows = ["| name | engine write path followed | block | per-layer scale | rounding | bits/element | serve with | oracle |",
             "|---|---|---|---|---|---|---|---|"]
     for name in list_kv_formats():

@@ -17,7 +17,7 @@ Block (32 elements along K) and the bytes each flavour's engine stores:
     decode: x = e2m1(c) * 2^(b-127)  (OCP; b = 255 is NaN)
             x = kvalues[c] * 2^(b-128), kvalues = 2 * e2m1  (ggml's e8m0_to_fp32_half; same value)
 
-Scale rules (spec.scale_rule; sources: shared/reference/formats.md (the project steering notes) sections 2.1-2.5):
+Scale rules (spec.scale_rule; each with the source it follows):
 
 * "floor(log2 amax) - 2" (``mxfp4``): OCP MX v1.0 section 6.3 as torchao 0.18
   ``to_mx(..., ScaleCalculationMode.FLOOR)`` computes it: the exponent field of fp32 amax minus 2

@@ -29,7 +29,7 @@ Encoding follows ``ggml/src/ggml-quants.c`` of llama.cpp:
 * both: codes re-derived from the stored values, ``q = nearest_int((x + dmin*lm)/(d*ls))``
   clamped to 0..15, except where ``d*ls == 0``: there the search's codes are kept.
 
-Numerics that decide the last bit (see shared/reference/formats.md (the project steering notes) section 3):
+Numerics that decide the last bit:
 float32 everywhere, sums accumulated one element at a time in C order, true IEEE
 division, ggml ``nearest_int`` (round half to even), and the ``min`` variable of
 ``make_qkx2/3_quants`` reused by later candidates once one is accepted.
@@ -47,7 +47,7 @@ column ``[K]``, or one row per expert ``[E, K]`` for x ``[E, N, K]``.
 * ``extra["d"]``, ``extra["dmin"]`` float16 ``[..., K/256]``: the super-block scales
 * ``global_scale`` None
 
-Training hook (issue 17, ``quant.kquant_refresh_every``): ``quantize(x, scales=, d=, dmin=)`` with a
+Training hook (``quant.kquant_refresh_every``): ``quantize(x, scales=, d=, dmin=)`` with a
 PackedTensor's ``scales``/``d``/``dmin`` skips the search and runs only the last stage above on x
 (``_element_codes``, the same function the search ends with); sub-blocks with ``d*ls == 0`` get code 0.
 ``scale_kwargs(p)`` gives those keywords. The engine never quantizes this way: a trainer that keeps

@@ -246,7 +246,7 @@ class Format:
         raise NotImplementedError(f"{self.name}: block scales cannot be shifted (scale-only adapters need a format "
                                   f"with one scale byte per block: the NVFP4 / MXFP4 families)")
 
-    # -- scales kept between searches (issue 17: quant.kquant_refresh_every, nn/kquant_refresh.py) --------
+    # -- scales kept between searches (quant.kquant_refresh_every, nn/kquant_refresh.py) --------
     def searches_scales(self, imatrix: bool) -> bool:
         """Whether quantize() finds its block scales by a search (with / without an importance matrix)
         that ``quantize(x, **scale_kwargs(p))`` can skip, quantizing x's elements under p's scales."""

@@ -1,4 +1,4 @@
-"""The k-quant scale search refreshed every K optimizer steps (issue 17, ``quant.kquant_refresh_every``).
+"""The k-quant scale search refreshed every K optimizer steps (``quant.kquant_refresh_every``).
 
 llama.cpp's Q4_K, Q6_K and (with an importance matrix) Q5_0 quantizers search each sub-block's scale
 (and Q4_K's min) before they assign the element codes; on a CPU that search is most of a training

@@ -1,4 +1,4 @@
-"""The engine's FP8 attention in the student (issue 22): with ``QuantConfig.kv_attention`` = ``fa3`` or
+"""The engine's FP8 attention in the student: with ``QuantConfig.kv_attention`` = ``fa3`` or
 ``triton`` on an ``fp8_e4m3`` cache, the attention output the student trains on is vLLM's FP8
 arithmetic (query cast to E4M3, scores on the cache's E4M3 values with the k scale folded in, P cast to
 E4M3 against the kernel's running row max, the v scale on the output), as transcribed in

@@ -25,7 +25,7 @@ Scales (formats with a per-layer scale: fp8, nvfp4), per attention layer, K and 
              the buffers keep the running max. The engine has one static scale per layer, so
              :func:`freeze_kv_scales` (ship the running max) or calibrate must come before convert.
 
-Attention (``QuantConfig.kv_attention``, issue 22b): on vLLM's ``fp8_e4m3`` cache the quantizer's
+Attention (``QuantConfig.kv_attention``): on vLLM's ``fp8_e4m3`` cache the quantizer's
 ``attention`` ("fa3" = vLLM's FLASH_ATTN, the default; "triton" = TRITON_ATTN) makes the wrapper run the
 engine's FP8 attention arithmetic instead of the inner implementation on fake-quantized K/V
 (nn/kv_attention.py, formats/kv_attention.py); "none" keeps the cache-only emulation. Calibration

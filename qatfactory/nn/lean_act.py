@@ -1,4 +1,4 @@
-"""Less activation memory in a Llama-family block, the same bits (issue 17: the live-QAD peak).
+"""Less activation memory in a Llama-family block, the same bits (the live-QAD peak).
 
 A training step's peak is at the end of the forward (the loss), where every tensor saved for the
 backward is alive. Per token and layer of a Hugging Face Llama in bf16 (hidden H, MLP width I), what

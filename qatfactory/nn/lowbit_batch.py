@@ -1,4 +1,4 @@
-"""The ParetoQ grids' learnable fake quant of a whole model in a few calls per forward (issue 19).
+"""The ParetoQ grids' learnable fake quant of a whole model in a few calls per forward.
 
 A learnable low-bit scale trains through the quantizer, so fq(W) cannot be kept for the step the way
 nn/weight_cache.py keeps the other formats': every forward pass builds it with its graph. Built per linear

@@ -305,7 +305,7 @@ def limit_changed(model: nn.Module, fraction: float) -> int:
     many offsets it pulled back (0: nothing to do). The forward, the merge and the scale file all read theta,
     so they agree with each other after it as before.
 
-    Why (issue 18b; numbers in benchmarks/RESULTS.md): AdamW moves every offset whose gradient keeps its sign
+    Why (numbers in benchmarks/RESULTS.md): AdamW moves every offset whose gradient keeps its sign
     by about lr per step, whatever the gradient's size, and every block starts on the grid, so offsets reach
     their rounding boundary together: on E8M0 (boundary |theta| = 1/2 for every block) at step 1/(2 lr), each a
     factor of 2 on a whole block. H200, SmolLM2-135M MXFP4, batch 32, lr 2e-2, no limit: the loss flat for 25

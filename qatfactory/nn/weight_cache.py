@@ -1,4 +1,4 @@
-"""Fake-quantized weights kept for one optimizer step (issue 17).
+"""Fake-quantized weights kept for one optimizer step.
 
 Weights change once per optimizer step, yet a QuantLinear fake-quantizes its weight in every forward,
 again in the backward where the CUDA path recomputes instead of saving, and once more per micro-batch

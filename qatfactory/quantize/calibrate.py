@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
+from ..nn import kv_cache as KV  # the KV cache in the loop (nn/kv_cache.py)
 from .config import CALIB_METHODS, QuantConfig, _check_choice
 from .modules import _init_scale_state, _quant_experts, _quant_linears
 
@@ -66,7 +66,7 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
     _init_scale_state(model, method)
     acts = [(n, q) for n, q in _act_quantizers(model) if q.static]
     imat = [(n, m) for n, m in _quant_linears(model) if m.weight_quant.uses_imatrix] if batches is not None else []
-    kvq = [(n, q) for n, q in KV.kv_quantizers(model) if q.static]    # issue 22: per-layer K/V amax
+    kvq = [(n, q) for n, q in KV.kv_quantizers(model) if q.static]    # per-layer K/V amax
     n_batches = 0
     if acts and batches is None:
         raise ValueError("calibrate: W4A4 with a static activation amax needs batches= (an iterable of "
@@ -115,7 +115,7 @@ def calibrate(model: nn.Module, batches=None, method: Optional[str] = None) -> D
             raise ValueError(f"calibrate: no non-zero activation reached {missing[:8]} over {n_batches} batch(es); "
                              f"give batches that exercise every module")
     out = {"method": method, "batches": n_batches, "activation_quantizers": len(acts), "imatrix": len(imat)}
-    if kvq:   # issue 22: a pass of its own, after the above: K and V as the served (quantized) model computes them
+    if kvq:   # a pass of its own, after the above: K and V as the served (quantized) model computes them
         out["kv_cache"] = _calibrate_kv(model, kvq, batches, cfg.kv_calib_method)
         out["batches"] = max(n_batches, out["kv_cache"]["batches"])
     return out

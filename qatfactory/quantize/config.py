@@ -12,7 +12,7 @@ from ..formats import get_format, list_formats
 from ..formats.kv import list_kv_formats
 from ..formats.kv_attention import default_attention, list_kv_attentions
 from ..formats.scale_search import SEARCH_METHODS
-from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
+from ..nn import kv_cache as KV  # the KV cache in the loop (nn/kv_cache.py)
 from ..nn.lowbit import GRAD_RULES as LOWBIT_GRAD_RULES
 
 SCALE_STRATEGIES = ("dynamic", "frozen", "learnable")
@@ -24,7 +24,7 @@ CALIB_METHODS = SEARCH_METHODS   # the block-scale searches the formats know (fo
 STE_MODES = ("identity", "clipped")
 
 
-# issue 22: the engine's attention arithmetic on the FP8 cache (formats/kv_attention.py)
+# the engine's attention arithmetic on the FP8 cache (formats/kv_attention.py)
 KV_ATTENTION_CHOICES = ("auto", "none") + tuple(list_kv_attentions())
 
 
@@ -110,7 +110,7 @@ class QuantConfig:
       head is then the same quantized tensor. Only for llama.cpp (GGUF): vLLM/SGLang keep
       embeddings in the model dtype. The ``q4_k`` preset sets it (as llama-quantize does); set it
       False to keep the embeddings (and a tied head) wide.
-    * ``kquant_refresh_every`` (issue 17): K >= 1. 1 (default): every fake quant of a llama.cpp k-quant
+    * ``kquant_refresh_every``: K >= 1. 1 (default): every fake quant of a llama.cpp k-quant
       runs its full scale search. K > 1: inside the trainer's optimizer steps the search (Q4_K, Q6_K, and
       Q5_0 with an importance matrix) runs on steps 0, K, 2K, ... and the steps between only re-round the
       codes of the current weights under the kept scales; every evaluation, ``convert`` and export run the
@@ -132,12 +132,12 @@ class QuantConfig:
     name: str = ""
     min_coverage: float = 0.5
     lowbit_grad: str = "released"
-    # issue 22: KV-cache format (nn/kv_cache.py); None keeps the cache in the model dtype
+    # KV-cache format (nn/kv_cache.py); None keeps the cache in the model dtype
     kv_format: Optional[str] = None
     kv_scale_strategy: str = "frozen"
     kv_calib_method: str = "max"
     kv_attention: str = "auto"
-    # issue 17: the k-quant scale search every K optimizer steps (nn/kquant_refresh.py); 1 = every forward
+    # the k-quant scale search every K optimizer steps (nn/kquant_refresh.py); 1 = every forward
     kquant_refresh_every: int = 1
 
     def __post_init__(self):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..formats import ConvertedModel
-from ..nn import kv_cache as KV  # issue 22: the KV cache in the loop (nn/kv_cache.py)
+from ..nn import kv_cache as KV  # the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding
 from ..nn.experts import (
     QuantExpertsMixin,

@@ -322,7 +322,7 @@ def save(engine, run_dir, step: int, state: Dict[str, Any], keep_last: int, rank
 def load(engine, ckpt: Path, rank: int) -> Dict[str, Any]:
     """Restore engine (module, optimizer, scheduler) and this rank's RNG; returns trainer_state.
 
-    A checkpoint of another world size (issue 23): ZeRO-1/2/3 state is gathered once and
+    A checkpoint of another world size: ZeRO-1/2/3 state is gathered once and
     re-partitioned (reshard.py); ZeRO-0 state is not partitioned and loads as it is. Rank r takes
     the RNG state of rank r mod N (every rank is seeded alike at the start of a run)."""
     ckpt = Path(ckpt)

@@ -139,7 +139,7 @@ class TrainConfig:
     # on, the optimizer state starts afresh and the LR schedule restarts with peak quant_lr (None: lr)
     quant_start: float = 0.0
     quant_lr: Optional[float] = None
-    # issue 17, the host work of a step (train/ds_step.py; the same bits either way, tests/test_step_levers.py):
+    # the host work of a step (train/ds_step.py; the same bits either way, tests/test_step_levers.py):
     # lean_step: DeepSpeed's bf16 ZeRO-0 step without its per-parameter overflow reads and copies, and no
     # gradient all-reduce on one rank; ds_timers: DeepSpeed's throughput timer (a device sync at every
     # forward and every step, for a report the trainer never prints)
@@ -284,7 +284,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         CC.check_export(cfg, NO_QUANT)
     if cfg.quant.weight_format not in NO_QUANT:
         cfg.quant.validate()
-    elif cfg.quant.kv_format is not None:   # issue 22: the KV emulation lives on a prepared student
+    elif cfg.quant.kv_format is not None:   # the KV emulation lives on a prepared student
         raise ValueError(f"quant.kv_format={cfg.quant.kv_format!r} with format=bf16: the KV-cache emulation is part of a "
                          f"quantized student (its exports carry the k/v scales); pick a weight format recipe")
     return cfg

@@ -1,4 +1,4 @@
-"""DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (issue 17: the step is host-bound).
+"""DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (the step is host-bound).
 
 On a GPU the trainer's bf16 ZeRO-0 engine wraps FusedAdam in DeepSpeed's ``FP16_Optimizer`` (flat bf16
 weights, one flat fp32 master, one FusedAdam launch). Around that one launch, DeepSpeed 0.19.8 does per

@@ -269,7 +269,7 @@ def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, An
     }
     if t.zero_stage == 3:
         d["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
-    # issue 17: DeepSpeed's throughput timer syncs the device twice a step (off unless train.ds_timers)
+    # DeepSpeed's throughput timer syncs the device twice a step (off unless train.ds_timers)
     d.update(ds_step.ds_config(t))
     if t.grad_accum_dtype is not None:
         # bf16 weights with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (ZeRO-1 and up)
@@ -655,7 +655,7 @@ def _hand_over(ctx: Context, method: Method, student: StudentLM, export_dir: Opt
         return out
     if any(hasattr(p, "ds_id") for p in student.parameters()):
         # ZeRO-3: gathered one layer at a time into a CPU copy on rank 0, never the whole model on a
-        # GPU (issue 23, stream_export.py); every rank joins each gather
+        # GPU (stream_export.py); every rank joins each gather
         lm, gathered = cpu_student(student.lm, ctx.rank)
         if ctx.rank == 0:
             out = method.export(dataclasses.replace(ctx, model=lm)).request(cfg, ctx.run_dir, export_dir)

@@ -1,4 +1,4 @@
-"""Resume a checkpoint on another number of ranks (issue 23): gather the ZeRO state, re-partition it.
+"""Resume a checkpoint on another number of ranks: gather the ZeRO state, re-partition it.
 
 ZeRO-1/2/3 split the fp32 master weights and the AdamW moments by rank. DeepSpeed's own loader refuses
 another world size, and its universal-checkpoint converter (ds_to_universal) unpickles every file with

@@ -7,7 +7,7 @@
 * ``resume`` must be the same run: a checkpoint trained with other numerics (format, activation
   format, scale strategy, model, method, loss, optimizer, batch...) is refused naming the field;
   other data or another seed go on with a warning. Another number of ranks is allowed when the
-  global batch (micro_batch x grad_accum x ranks) stays the same (issue 23; reshard.py). ``config.yaml`` keeps the original
+  global batch (micro_batch x grad_accum x ranks) stays the same (reshard.py). ``config.yaml`` keeps the original
   run's settings; a resume that changes anything writes ``config.resume-step-N.yaml`` beside it.
 * The export directory is checked before training starts (only an empty directory or an earlier
   export of ours is replaced), so a run never fails on it, or deletes a user directory, at the end.
@@ -122,7 +122,7 @@ def check_resume(saved: Dict[str, Any], cfg: RunConfig, world: int, where: str, 
 
 def _world_change(old: Dict[str, Any], cfg: RunConfig, sw: int, world: int, refused: List[str],
                   where: str) -> List[str]:
-    """A resume on another number of ranks (issue 23; checkpoint.load reshards ZeRO state): allowed
+    """A resume on another number of ranks (checkpoint.load reshards ZeRO state): allowed
     when every step still sees the same global batch, micro_batch x grad_accum x ranks; micro_batch
     and grad_accum may change for that. Returns what stays refused."""
     t = old.get("train") or {}

@@ -1,4 +1,4 @@
-"""A ZeRO-3 student gathered one layer at a time into a CPU copy on rank 0 (issue 23), for the export.
+"""A ZeRO-3 student gathered one layer at a time into a CPU copy on rank 0, for the export.
 
 Gathering every parameter at once (``GatheredParameters(all)``) puts the whole model on every GPU next
 to the optimizer state, which is what ZeRO-3 was there to avoid. Here the parameters are gathered in

@@ -1,4 +1,4 @@
-"""ParetoQ's full-precision-then-QAT schedule (``train.quant_start``, issue 19), as method hooks.
+"""ParetoQ's full-precision-then-QAT schedule (``train.quant_start``), as method hooks.
 
 The first ``round(quant_start * max_steps)`` optimizer steps train with the quantizers off; then the
 scales are calibrated from the weights trained so far, quantization switches on, the optimizer's
