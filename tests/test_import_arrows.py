@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAF = {"exitcodes", "_fsutil", "_inputs", "_recipes", "_rdata", "assets", "cpu"}
+LEAF = {"exitcodes", "_fsutil", "_inputs", "_quiet", "_recipes", "_rdata", "assets", "cpu"}
 FACES = {"cli", "cli_export", "cli_scales", "cli_eval", "demo", "demo_report", "llama_tools", "llama_compare", "ship",
          "eval", "harness",
          "eval_tasks", "__main__"}

@@ -73,6 +73,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_in_use(addr: str, port: Optional[str]) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((addr, int(port)))
+        return False
+    except (OSError, TypeError, ValueError):
+        return True
+
+
 def init_distributed(device: str) -> None:
     """Join the launcher's process group, or make a one-process group when run without one.
 
@@ -88,6 +97,12 @@ def init_distributed(device: str) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif os.environ["WORLD_SIZE"] == "1" and \
+            _port_in_use(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT")):
+        # a one-process group whose port is taken: the variables were inherited from a parent that ran a
+        # trainer in its own process (its store still listens there), not set by a launcher for this process
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
