@@ -58,6 +58,10 @@ with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
 if rank == 0:
     (out / "record.json").write_text(json.dumps(rec, default=str))
 torch.distributed.barrier()
+# leave the group before exit, as `qatfactory train` does: a rank whose interpreter exits with gloo's threads
+# still joined to a peer that already left can abort in its teardown ("terminate called without an active
+# exception") after finishing its work
+torch.distributed.destroy_process_group()
 print("finished 0", flush=True)
 """
 
