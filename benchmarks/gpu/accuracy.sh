@@ -30,6 +30,8 @@ peer_modelopt --lrs 1e-5 --tag modelopt"
 JOBS=${JOBS:-$DEFAULT_JOBS}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# DeepSpeed's JIT ops parse each arch as numbers: the GPU image's "9.0a" stops FusedAdam's build
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}
 if [ -n "$SMOKE" ] && [ -x .venv/bin/python ]; then
     PY=.venv/bin/python; T_TOTAL=${T_TOTAL:-1800}; THREADS=${THREADS:-1}; STEPS=${SMOKE_STEPS:-3}
 else
