@@ -61,6 +61,7 @@ print('stashed:', staging.stash(Path('.gpu'), staging.STASH_DIR))"
         # as run.sh does for an uninstalled copy: exporters/ importable as qatfactory.exporters
         [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
         export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+        export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}   # DeepSpeed's op builder cannot parse "9.0a"
         exec $PY benchmarks/gpu/pipeline.py "$@" ;;
     *) echo "usage: $0 pack [MiB] | smoke [ARGS] | stash | run [ARGS]" >&2; exit 2 ;;
 esac
