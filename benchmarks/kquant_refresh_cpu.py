@@ -103,7 +103,7 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
     from qatfactory import quantize as Q
     from qatfactory.nn import kquant_refresh
     from qatfactory.train.config import validate
-    from qatfactory.train.engine import run as train
+    from qatfactory.train.loop import run as train
     t_all = time.time()
     s, model_dir, data, held, train_s, teacher_eval, comp = _setup(threads, steps, seed)
     tg = D.TARGETS["q4_k"]

@@ -113,7 +113,7 @@ def profile_format(fmt: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
 
     total = args.skip + 2 + args.steps + args.timed
     with tempfile.TemporaryDirectory() as td:
@@ -138,7 +138,7 @@ def profile_format(fmt: str, args) -> dict:
         prof = profile(activities=[ProfilerActivity.CPU],
                        schedule=schedule(wait=args.skip, warmup=1, active=args.steps, repeat=1), on_trace_ready=ready)
         state = {"n": 0, "t": None}
-        import qatfactory.train.engine as E
+        import qatfactory.train.methods.base as E
         rank_batch = E.rank_batch
 
         def at_step_start(*a, **kw):

@@ -10,7 +10,7 @@ beside the peers (plain PyTorch loops, NVIDIA Model Optimizer; benchmarks/step_p
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
-real trainer (qatfactory.train.engine.run). ``--before`` adds, beside each QAT/QAD row, the same run with
+real trainer (qatfactory.train.loop.run). ``--before`` adds, beside each QAT/QAD row, the same run with
 issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
 autograd per loss chunk; the per-linear launch plan cannot be switched off and is in both), and beside SFT,
 W4A4 and live QAD a "[before: stock DeepSpeed step]" row (train.lean_step=false train.ds_timers=true:
@@ -181,7 +181,7 @@ def one(name: str, over, args, profile: bool = False, tag: str = "") -> dict:
     1 + profile_steps more steps profiled (GPU busy vs wall; not timed)."""
     import torch
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     from step_profile import StepProfile
     cuda = args.device == "cuda"
     profile = profile and args.profile_steps > 0          # --profile-steps 0: no profiled steps at all

@@ -319,13 +319,12 @@ def instrumented_phases():
     """The trainer's phases wrapped in profiler ranges (and in the Python-side phase stack)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    import qatfactory.train.engine as E
-    import qatfactory.train.methods.base as B
+    import qatfactory.train.student as E
     from qatfactory.distill import teachers
     from qatfactory.nn import step_cache
     patches: list = []
     _wrap(E.StudentLM, "shifted", "forward", patches)
-    _wrap(B, "lm_loss", "loss", patches)
+    _wrap(E, "lm_loss", "loss", patches)
     _wrap(teachers.HiddenStates, "forward", "teacher", patches)
     _wrap(DeepSpeedEngine, "forward", "ds_forward", patches)
     _wrap(DeepSpeedEngine, "backward", "ds_backward", patches)
@@ -346,7 +345,7 @@ def instrumented(counts: Counts, fused_adam: bool = True):
     import torch
 
     import fused_adam_cpu
-    import qatfactory.train.engine as E
+    import qatfactory.train.methods.base as E
     init = deepspeed.initialize
     rank_batch = E.rank_batch
 

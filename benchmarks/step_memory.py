@@ -151,7 +151,7 @@ def measure_path(name: str, over, args) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     import fused_adam_cpu
-    import qatfactory.train.engine as E
+    import qatfactory.train.methods.base as E
     import step
     import step_counts
     step.MODELS["thin16"] = step_counts.THIN

@@ -8,7 +8,7 @@ save_student, the trainer's checkpoints and run directories.
     export   qatfactory.json with "qatfactory_export"   (exporters.base.export)
     student  qatfactory_quant.json                       (quantize.save_student)
     run      qatfactory_run.json with "qatfactory_run"   (the trainer's run directory)
-    warmup   qatfactory_warmup.json                      (train.rl_warmup.save_model_dir)
+    warmup   qatfactory_warmup.json                      (train.rl.warmup.save_model_dir)
     teacher_cache  meta.json with "qatfactory_teacher_cache" (distill.teachers.precompute_topk; caches
              written before that key have "renormalisation", which only that writer puts there)
     asset    qatfactory_provenance.json                  (assets.prepare_model_dir / prepare_tokenizer_dir)

@@ -195,7 +195,7 @@ def eval_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001
         return X.report("qatfactory eval", e, _run_error_code(e))
     try:
-        from .train.engine import run  # noqa: PLC0415 (CLI start)
+        from .train.loop import run  # noqa: PLC0415 (CLI start)
         s = run(cfg, eval_only=True)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):

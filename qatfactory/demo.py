@@ -8,12 +8,12 @@ Per target (NVFP4 W4A16 for vLLM/SGLang, MXFP4 W4A4 for vLLM, llama.cpp Q4_K_M w
 fallback for rows that are not a multiple of 256):
 
 1. PTQ with the quantize API (prepare + calibrate on the calibration split);
-2. QAD with the trainer (``qatfactory.train.engine.run`` on a RunConfig object; the report prints
+2. QAD with the trainer (``qatfactory.train.loop.run`` on a RunConfig object; the report prints
    the ``qatfactory train`` command that gives the same config): a live teacher, or a top-k teacher
    cache (written once, kept in the cache directory, so later runs skip the teacher's forward) for
    MXFP4, whose error is far above the cache's top-k floor;
 3. convert -> ``qatfactory.ship.ship`` for each engine (export + the parity gate, ``exporters.verify``);
-4. the trainer's own evaluation (``train.engine.evaluate``) for teacher, PTQ and QAD students on the
+4. the trainer's own evaluation (``train.student.evaluate``) for teacher, PTQ and QAD students on the
    held-out split (full-vocabulary forward KL to the teacher, perplexity, top-1 agreement), then
    ``report.md`` + PNG plots (qatfactory/demo_report.py).
 
@@ -54,8 +54,8 @@ from .nn.fake_quant import takes_imatrix
 from .ship import ship
 from .train.config import ModelConfig, RunConfig, compose, to_overrides, validate
 from .train.data import DataConfig, load_data
-from .train.engine import StudentLM, evaluate
-from .train.engine import run as train
+from .train.loop import run as train
+from .train.student import StudentLM, evaluate
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- evaluation
 class HeldOut:
     """Held-out samples with the teacher's final hidden states kept once, so every model is
-    measured by the trainer's own evaluation (train.engine.evaluate) against the same
+    measured by the trainer's own evaluation (train.student.evaluate) against the same
     full-vocabulary teacher distribution. It is that evaluation's teacher: ``batch`` gives the
     stored outputs of a micro-batch of ``mb`` samples."""
 

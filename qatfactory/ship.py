@@ -29,7 +29,7 @@ from .exporters.verify.adapter import TrainedAdapter, check_adapter
 from .exporters.verify.code_plane import check_code_plane, check_training_logits
 from .exporters.verify.common import default_prompt
 from .train import runlock
-from .train.engine import run as train_run
+from .train.loop import run as train_run
 
 
 @dataclass

@@ -81,7 +81,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights_lo
 
     from qatfactory.train.config import compose
     from qatfactory.train.data import ByteTokenizer
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     small = tmp_path / "small"
     LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(small)

@@ -291,7 +291,7 @@ def test_trainer_student_module_honours_vocab_chunk():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from qatfactory.distill.teachers import split_causal_lm
-    from qatfactory.train.engine import StudentLM
+    from qatfactory.train.student import StudentLM
     conf = dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, tie_word_embeddings=True)
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ def test_trainer_with_lean_act_trains_the_same_bits(tmp_path, ckpt):
     import json
 
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     out = {}
     for name, over in (("ref", []), ("lean", ["train.lean_act=true"])):
         cfg = compose(["train=cpu_tiny", "train.precision=bf16", "model.dtype=bfloat16", "data.synthetic=12",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from qatfactory.distill import rl
+from qatfactory.train.rl import losses as rl
 
 D = torch.float64
 

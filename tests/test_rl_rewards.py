@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from qatfactory.distill import rewards as R
+from qatfactory.train.rl import rewards as R
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qatfactory.distill.rollout import SamplingConfig, generate, top_p_filter
+from qatfactory.train.rl.rollout import SamplingConfig, generate, top_p_filter
 from qatfactory.nn import adapter as A
 from optional_imports import needed
 

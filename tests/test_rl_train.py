@@ -79,8 +79,8 @@ def _adapter(run_dir):
 def test_micro_batches_do_not_change_the_update(tmp_path, monkeypatch):
     # plain SGD (the update is then linear in the gradient; Adam's first step is ~lr * sign(g) and
     # would amplify float noise in near-zero gradients): 1 micro-batch of 16 vs 4 of 4
-    from qatfactory.train import rl_loop
-    monkeypatch.setattr(rl_loop, "make_optimizer", lambda params, t: torch.optim.SGD(params, lr=t.lr))
+    from qatfactory.train.methods.grpo import GRPO
+    monkeypatch.setattr(GRPO, "optimizer", lambda self, ctx, params: torch.optim.SGD(params, lr=ctx.cfg.train.lr))
     over = ["method=grpo", "method.rl.beta=0", "train.max_steps=1", "method.rl.n_eval=0", "train.lr=10"]
     a = _run(tmp_path / "one", *over, "train.micro_batch=16")
     b = _run(tmp_path / "four", *over, "train.micro_batch=4")
@@ -139,7 +139,11 @@ def test_bf16_lora_arm_and_refusals(tmp_path):
     assert r1["aqn/sigma"] == 0 and abs(r1["ratio_mean"] - 1) < 1e-4
     assert r2["aqn/sigma"] > 0 and abs(r2["ratio_mean"] - 1) > 1e-4, (r1["ratio_mean"], r2["ratio_mean"])
     from qatfactory.train.config import compose
-    from qatfactory.train.rl_loop import check
+    from qatfactory.train.methods.grpo import GRPO
+
+    def check(cfg, world):
+        GRPO().validate(cfg)
+        GRPO().preflight(cfg, world)
     for over, msg in ((["train.zero_stage=3"], "zero_stage=3 is not supported"),
                       (["method.rl.prompts_per_step=3"], "does not split over 2 ranks"),
                       (["train.micro_batch=5"], "whole micro-batches"),
@@ -155,7 +159,7 @@ def test_warmup_runs_before_the_base_is_quantized(tmp_path):
     # method.rl.warmup_steps: the supervised warm-up changes the model the quantizer then freezes; without
     # it the frozen base is the initial model, bit for bit
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     over = ["method=dapo", "method.rl.task=arith", "method.rl.task_level=0", "method.rl.n_train=16",
             "method.rl.max_new_tokens=8", "train.max_steps=1", "method.rl.n_eval=2", "train.micro_batch=8"]
     fresh = build_model(compose([*SAY7, *over]), torch.device("cpu"))[0].model.layers[0].self_attn.q_proj.weight
@@ -172,7 +176,7 @@ def test_warmup_runs_before_the_base_is_quantized(tmp_path):
     assert (q_weight(w) - fresh).abs().max() > 1e-4
     # the adapter names the warmed-up model as its base, and that directory holds it
     from transformers import AutoModelForCausalLM
-    from qatfactory.train.rl_warmup import read_record
+    from qatfactory.train.rl.warmup import read_record
     base = json.loads((tmp_path / "w" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert Path(base) == tmp_path / "w" / "warmup" and read_record(base)["steps"] == 3
     saved = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

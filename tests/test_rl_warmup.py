@@ -1,4 +1,4 @@
-"""The supervised warm-up before RL (train/rl_warmup.py, distill/rewards.py): its data never shares a
+"""The supervised warm-up before RL (train/rl/warmup.py, train/rl/rewards.py): its data never shares a
 question with an RL training pool or held-out set, its targets score full marks, its loss is the
 cross-entropy of the target tokens only (checked against an unpadded, unbatched computation), a tiny
 warm-up makes a random model follow the answer format, and the calibration refuses a model that is
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qatfactory.distill import rewards as R
+from qatfactory.train.rl import rewards as R
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def _tiny(seed=0, hidden=64):
 
 
 def test_sft_loss_is_the_cross_entropy_of_the_target_tokens_only():
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl import warmup as W
     from qatfactory.train.data import ByteTokenizer
     tok, model = ByteTokenizer(), _tiny()
     task = R.make_task("arith", "tag", 0, n_train=1, n_eval=1)
@@ -109,7 +109,7 @@ def test_sft_loss_is_the_cross_entropy_of_the_target_tokens_only():
 def test_sft_batches_are_right_padded_so_no_attention_row_is_fully_masked():
     """A left pad position attends to nothing; on the GPU (H100, 2026-12-06) the warm-up's loss turned NaN at
     step 21 of 24 with left padding. Right padding leaves every row a real token to attend to."""
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl import warmup as W
     ps, ts = [[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11, 12], [13]]
     ids, attn, labels, K = W._batch(ps, ts, 0, torch.device("cpu"))
     assert attn[:, 0].all() and ids.tolist()[1] == [4, 9, 10, 11, 12] and ids.tolist()[2] == [5, 6, 13, 0, 0]
@@ -120,7 +120,7 @@ def test_sft_batches_are_right_padded_so_no_attention_row_is_fully_masked():
 
 
 def test_a_non_finite_step_is_skipped_and_too_many_stop_the_warm_up(monkeypatch):
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl import warmup as W
     from qatfactory.train.data import ByteTokenizer
     tok, model = ByteTokenizer(), _tiny()
     task = R.make_task("arith", "tag", 0, n_train=1, n_eval=1)
@@ -147,15 +147,15 @@ def test_a_non_finite_step_is_skipped_and_too_many_stop_the_warm_up(monkeypatch)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())   # steps 0 and 2 did run
 
 def _format_rate(model, tok, task, items):
-    from qatfactory.distill.rollout import SamplingConfig, generate
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl.rollout import SamplingConfig, generate
+    from qatfactory.train.rl import warmup as W
     roll = generate(model, W.prompt_ids(tok, task, items, True), tok.eos_token_id, tok.pad_token_id,
                     SamplingConfig(60, 0.0, 1.0), tokenizer=tok)
     return sum(task.score(t, it)["format"] for t, it in zip(roll.texts, items)) / len(items), roll.texts
 
 
 def test_a_tiny_warmup_makes_a_random_model_follow_the_answer_format():
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl import warmup as W
     from qatfactory.train.data import ByteTokenizer
     tok, model = ByteTokenizer(), _tiny()
     task = R.make_task("arith", "hash", 0, n_train=16, n_eval=16, seed=0)
@@ -187,7 +187,7 @@ def test_calibration_fails_loudly_when_no_level_is_ever_right():
 
 def test_save_model_dir_replaces_only_its_own_warmup_and_leaves_a_foreign_folder_alone(tmp_path):
     from qatfactory._fsutil import NotOursError
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl import warmup as W
 
     class Saves:                                     # the two calls save_model_dir makes on a model / tokenizer
         def __init__(self, text, name="model.safetensors"):

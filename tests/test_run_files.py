@@ -64,7 +64,8 @@ def test_a_run_dir_in_use_is_refused_and_the_lock_dies_with_its_process(done_run
 
 
 def test_the_lock_is_held_during_the_run_and_a_refused_run_leaves_nothing(tmp_path, capsys, monkeypatch):
-    from qatfactory.train import engine, runlock  # noqa: PLC0415 (runlock's own module state is asserted)
+    from qatfactory.train import runlock  # noqa: PLC0415 (runlock's own module state is asserted)
+    from qatfactory.train import runtime as engine  # noqa: PLC0415
     seen = {}
     real = engine.build_model
 

@@ -90,7 +90,7 @@ def test_mxfp4_changed_bytes_stay_within_max_changed_and_the_masters_see_it(mx_b
 
     from qatfactory.nn import scale_adapter as SA
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     cap = 0.02
     s = run(compose(_common(mx_base) + ["train.max_steps=8", "train.micro_batch=4", "train.lr=2e-1",
                                         f"train.zero_stage={zero}", f"method.scale.max_changed={cap}",
@@ -133,7 +133,7 @@ def test_zero2_two_gloo_ranks_equal_one_process(base, tmp_path):
     z2 = json.loads((tmp_path / "z2" / "summary.json").read_text())
     assert z2["world_size"] == 2 and z2["eval_last"]["scales/changed"] > 0
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     one = run(compose(over + ["train.micro_batch=4", f"run_dir={tmp_path / 'one'}"]))
     one.pop("engine").destroy()
     a = [r["loss"] for r in _metrics(tmp_path / "z2") if "loss" in r]

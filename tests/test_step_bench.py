@@ -122,7 +122,7 @@ def test_peer_models_are_ours_parameter_for_parameter():
     and, for the all-sparse MoE, the unused dense intermediate_size."""
     import torch
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import tiny_config
+    from qatfactory.train.runtime import tiny_config
     assert {"moe", "moe_smoke"} <= set(step.MODELS) and set(step.MODELS) == set(step_peers.SHAPES)
     for name, over in step.MODELS.items():
         ours_cls, ours = tiny_config(compose(over).model.tiny)

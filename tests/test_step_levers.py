@@ -26,7 +26,8 @@ def _run(tmp_path, monkeypatch, name, *over, nan_at=None, fused=True, count=None
     import deepspeed
 
     import fused_adam_cpu
-    import qatfactory.train.engine as E
+    import qatfactory.train.methods.base as E
+    from qatfactory.train.loop import run
     from qatfactory.train.config import compose
     init = deepspeed.initialize
     seen = {"step": 0}
@@ -50,9 +51,9 @@ def _run(tmp_path, monkeypatch, name, *over, nan_at=None, fused=True, count=None
     cfg = compose(BASE + [f"run_dir={tmp_path / name}", *over])
     if count is not None:
         with count.host, count.prof:
-            s = E.run(cfg)
+            s = run(cfg)
     else:
-        s = E.run(cfg)
+        s = run(cfg)
     eng = s.pop("engine")
     weights = {k: v.detach().clone() for k, v in eng.module.lm.state_dict().items()}
     opt = eng.optimizer

@@ -128,7 +128,7 @@ def test_lora_qad_under_gradient_checkpointing_trains_the_same_bits(tmp_path, de
     import json
 
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     out = {}
     for ckpt in ("false", "true"):
         cfg = compose(["train=cpu_tiny", "data.synthetic=12", "data.seq_len=32", "data.eval_samples=2",

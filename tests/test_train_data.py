@@ -103,7 +103,7 @@ def test_cli(capsys, monkeypatch):
 def test_lr_schedules():
     import math
     from qatfactory.train.config import TrainConfig
-    from qatfactory.train.engine import lr_lambda
+    from qatfactory.train.runtime import lr_lambda
     const = lr_lambda(TrainConfig(schedule="constant", warmup_steps=0, max_steps=10))
     assert [const(s) for s in (0, 5, 9)] == [1.0, 1.0, 1.0]
     cos = lr_lambda(TrainConfig(schedule="cosine", warmup_steps=4, max_steps=14, min_lr_ratio=0.1))

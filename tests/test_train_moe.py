@@ -20,7 +20,7 @@ MOE = ["train=cpu_tiny", "model=tiny_qwen3_moe", "data.synthetic=16", "data.seq_
 def test_the_tiny_moe_recipe_builds_transformers_qwen3_moe():
     from transformers import Qwen3MoeForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     cfg = compose(MOE + ["model.tiny.num_experts=6", "model.tiny.num_experts_per_tok=3",
                          "model.tiny.moe_intermediate_size=48"])
     m, _, src = build_model(cfg)
@@ -71,7 +71,8 @@ def _modelopt_nvfp4(w3d: torch.Tensor) -> torch.Tensor:
 def test_training_moves_the_experts_and_runs_them_on_modelopts_nvfp4_values(tmp_path, method):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
     from qatfactory.nn import QuantExpertsMixin, step_cache
-    from qatfactory.train.engine import build_model, run
+    from qatfactory.train.loop import run
+    from qatfactory.train.runtime import build_model
     cfg = compose(MOE + [f"method={method}", "format=nvfp4_w4a16", f"run_dir={tmp_path / method}"])
     init, _, _ = build_model(cfg)
     s = run(cfg)

@@ -86,7 +86,7 @@ def test_a_run_never_writes_into_a_user_directory(tmp_path, capsys, monkeypatch)
 
 def _run_unnamed():
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     s = run(compose(BASE + ["method=qat", "format=bf16", "train.max_steps=1", "train.save_final=false"]))
     s.pop("engine").destroy()
     return s["run_dir"]
@@ -275,7 +275,7 @@ def test_bad_overrides_and_failures_are_one_line_with_their_exit_code(tmp_path, 
         assert rc == code and len(lines) == 1 and text in lines[0], (over, rc, err[-2000:])
         assert "Traceback" not in err
     # an error inside the run: one line, exit 5; QATFACTORY_DEBUG=1 adds the traceback
-    import qatfactory.train.engine as E
+    import qatfactory.train.methods.base as E
 
     def boom(*a, **k):
         raise RuntimeError("the evaluation exploded")
@@ -343,7 +343,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from qatfactory import _fsutil
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     step_to_die = int(sys.argv[1])
     real = _fsutil.swap_in
     def swap_in(tmp, target):

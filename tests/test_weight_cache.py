@@ -240,7 +240,7 @@ def test_what_is_not_cached_and_the_switches(monkeypatch):
 
 def _trainer_run(tmp_path, name, cache, monkeypatch, *over):
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import run
+    from qatfactory.train.loop import run
     monkeypatch.setenv("QF_WEIGHT_CACHE", "1" if cache else "0")
     weight_cache.reset_stats()
     served = {True: 0, False: 0}          # kept entries handed to a forward: experts / linears

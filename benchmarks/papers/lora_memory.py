@@ -10,7 +10,7 @@ same steps and tokens, LoRA LR 10x the full LR; held-out KL / top-1 / PPL.
 
 Memory, per arm, in two configurations (i) parameter-dominated: 1 x 2,048 tokens with activation
 checkpointing and (ii) throughput: 4 x 2,048 without: one training step built like the trainer's
-(qatfactory.train.engine: StudentLM, the chunked KL loss, a live teacher that is a deep copy of the
+(qatfactory.train (student.py: StudentLM, the chunked KL loss, a live teacher that is a deep copy of the
 model, bf16 weights with fp32 master copies, fp32 gradient buffers and AdamW moments as DeepSpeed's bf16
 optimizer keeps them), phase by phase:
 
@@ -120,7 +120,8 @@ def probe(a, p, data, arm, mem) -> Dict[str, Any]:
     from qatfactory.distill.teachers import LiveTeacher
     from qatfactory.quantize import calibrate, prepare
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import StudentLM, build_model
+    from qatfactory.train.runtime import build_model
+    from qatfactory.train.student import StudentLM
     cfg = compose(arm_overrides(a, p, data, arm, 0, Path("/nonexistent"), mem["micro"], mem["seq"], mem["ckpt"]))
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"

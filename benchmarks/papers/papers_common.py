@@ -1,6 +1,6 @@
 """What the QAD-report and QATFactory reproductions share (benchmarks/papers/{qad_vs_qat, format_modes,
 seqlen, lora_memory}.py): the data splits of shared/reference/reproductions.md 3.2 written as files from
-the packages, one trainer run per arm (qatfactory.train.engine.run), one held-out evaluation for every
+the packages, one trainer run per arm (qatfactory.train.loop.run), one held-out evaluation for every
 arm (full-vocabulary forward KL to the teacher, CE, top-1, per-position buckets, bootstrap CI), the
 provenance record, the verdict rule, the time budget.
 
@@ -408,7 +408,7 @@ def load_teacher(smoke: bool, model_path: Optional[str], device: str):
     import torch
 
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     # only the model is built here, no data is read: the default random tokens are named so that a trained model
     # composes (a run of a trained model is refused random tokens it did not ask for)
     cfg = compose(model_overrides(smoke, model_path, device) + ["data=synthetic"])

@@ -1,6 +1,6 @@
 """What the ParetoQ reproductions share (benchmarks/papers/paretoq_*.py): data files, one trainer run per
 arm, layout rules for rows the 256-element llama.cpp types cannot hold, the learning-transition
-diagnostics, tables and plots. Every run is the framework's own trainer (qatfactory.train.engine.run)."""
+diagnostics, tables and plots. Every run is the framework's own trainer (qatfactory.train.loop.run)."""
 from __future__ import annotations
 
 import json
@@ -185,7 +185,7 @@ def transition(base_overrides: Sequence[str], student_dir: str) -> Dict[str, Any
     import torch
     from qatfactory.quantize import calibrate, load_student, prepare
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     cfg = compose(list(base_overrides))
     model, _, _ = build_model(cfg, torch.device("cpu"))
     prepare(model, cfg.quant)

@@ -19,14 +19,14 @@ Warm-up (ours, not the paper's: QeRL starts from Qwen2.5-Instruct models that al
 format and has no SFT stage). SmolLM2-135M-Instruct never writes the answer format, so on the H200 its
 pass rate was 0 already at the easiest level and DAPO had nothing to learn from (RESULTS.md). ``--warmup-steps N``
 fine-tunes the bf16 model once, before anything is quantized, on N x ``--warmup-batch`` worked
-solutions in the exact format the reward checks (train/rl_warmup.py): drawn by the task generator from
+solutions in the exact format the reward checks (train/rl/warmup.py): drawn by the task generator from
 its own "arith-warmup" streams and filtered against every RL prompt and held-out item of seeds 0-3
 (and any seed asked for) at every level. The warmed-up model is saved once (``<out>/warmup``, with its
 SHA-256) and every arm starts from it: the bf16 arms as it is, the NVFP4 arms from its PTQ. It is
 reused by a later call with the same settings (same digest checked), so the arms can be split over
 device calls; ``--merge`` refuses parts whose warm-up digests or levels differ.
 
-Task: the generated arithmetic word problems (distill/rewards.py) at the level whose pass rate of the
+Task: the generated arithmetic word problems (train/rl/rewards.py) at the level whose pass rate of the
 warmed-up bf16 model (T = 1, ``--calib-prompts`` training prompts, one sample each) is the first in
 ``--band`` (default 20-60 %: a group of 8 then has mixed rewards with probability >= 0.83); a level
 where nothing is ever right fails the run with a clear message (NoSignal) instead of spending the
@@ -133,10 +133,10 @@ def warm_up(args, base: List[str], out: Path) -> Optional[Dict]:
     if args.warmup_steps <= 0:
         return None
     import torch
-    from qatfactory.distill.rewards import arith_questions, arith_warmup, make_task
-    from qatfactory.train import rl_warmup as W
+    from qatfactory.train.rl.rewards import arith_questions, arith_warmup, make_task
+    from qatfactory.train.rl import warmup as W
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
+    from qatfactory.train.runtime import build_model
     cfg = compose(base + ["format=bf16", f"run_dir={out / 'runs' / 'warmup-cfg'}"])
     dev = _device(cfg)
     r = cfg.method.rl
@@ -179,8 +179,8 @@ def warm_up(args, base: List[str], out: Path) -> Optional[Dict]:
 def _measure(model, tok, task, items, r, temperature: float, seed: int) -> Dict[str, float]:
     """Format and pass rate of one completion per item (greedy at temperature 0), and its cost."""
     import torch
-    from qatfactory.distill.rollout import SamplingConfig, generate
-    from qatfactory.train.rl_warmup import prompt_ids
+    from qatfactory.train.rl.rollout import SamplingConfig, generate
+    from qatfactory.train.rl.warmup import prompt_ids
     dev = next(model.parameters()).device
     ps = prompt_ids(tok, task, items, r.chat_template)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -203,12 +203,12 @@ def warmup_effect(args, base: List[str], wdir: str, levels: List[int]) -> Dict:
     """Format compliance and pass rate before and after the warm-up, greedy and at T = 1, on the first
     --warmup-eval held-out prompts of each level (never seen by the warm-up); "after" also for the
     warmed-up model's NVFP4 PTQ at its serving weights (the base the quantized arms start from)."""
-    from qatfactory.distill.rewards import make_task
+    from qatfactory.train.rl.rewards import make_task
     from qatfactory.nn import adapter as AD
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
-    from qatfactory.train.rl_loop import quantize_base
-    from qatfactory.train.rl_warmup import prompt_ids
+    from qatfactory.train.runtime import build_model
+    from qatfactory.train.rl.policy import quantize_base
+    from qatfactory.train.rl.warmup import prompt_ids
     res: Dict = {"prompts": args.warmup_eval, "levels": levels}
     for when, over in (("before", ["format=bf16"]), ("after", [f"model.path={wdir}", "format=bf16"]),
                        ("after_nvfp4", [f"model.path={wdir}", "format=nvfp4_w4a16"])):
@@ -245,11 +245,11 @@ def calibrate(args, base: List[str]) -> Dict:
     """Pick the arithmetic level whose pass rate of the (warmed-up) bf16 model at T=1 is in the band;
     NoSignal when no level has a single correct completion (unless --allow-no-signal)."""
     import torch
-    from qatfactory.distill.rewards import make_task, pick_level
-    from qatfactory.distill.rollout import SamplingConfig, generate
+    from qatfactory.train.rl.rewards import make_task, pick_level
+    from qatfactory.train.rl.rollout import SamplingConfig, generate
     from qatfactory.train.config import compose
-    from qatfactory.train.engine import build_model
-    from qatfactory.train.rl_warmup import prompt_ids
+    from qatfactory.train.runtime import build_model
+    from qatfactory.train.rl.warmup import prompt_ids
     cfg = compose(base + ["format=bf16", f"run_dir={out_dummy()}"])
     dev = _device(cfg)
     model, tok, _ = build_model(cfg, dev)
@@ -284,10 +284,11 @@ def calibrate(args, base: List[str]) -> Dict:
 # ----------------------------------------------------------------------------- the arms
 def gsm8k_eval(summary, args, base: List[str], quantized: bool) -> Dict[str, float]:
     """Greedy GSM8K accuracy of the trained policy on items 1000.. of the packaged test split."""
-    from qatfactory.distill.rewards import make_task
+    from qatfactory.train.rl.rewards import make_task
     from qatfactory.nn import adapter as AD
     from qatfactory.train.config import compose
-    from qatfactory.train.rl_loop import _prompt_ids, evaluate
+    from qatfactory.train.rl.policy import evaluate
+    from qatfactory.train.rl.warmup import prompt_ids as _prompt_ids
     n = 2 if args.smoke else args.gsm8k_items
     if n <= 0:
         return {"gsm8k/accuracy": None, "gsm8k/format": None, "gsm8k/items": 0}
@@ -331,7 +332,7 @@ def _set_aside_unfinished(rd: Path) -> None:
 
 def run_arm(name: str, seed: int, args, base: List[str], out: Path, warm: Optional[Dict]) -> Dict:
     from qatfactory.train.config import compose
-    from qatfactory.train.rl_loop import run
+    from qatfactory.train.loop import run
     from qatfactory.train.runlog import read_metrics
     fmt, aqn = ARMS[name]
     rd = out / "runs" / f"{name}-seed{seed}"
@@ -593,7 +594,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, out: Path) -> int:
-    from qatfactory.distill.rewards import NoSignal
+    from qatfactory.train.rl.rewards import NoSignal
     base = common(args)
     st = settings(args)
     state = {"smoke": args.smoke, "settings": st, "seeds": args.seed_list, "results": [], "argv": sys.argv[1:],

@@ -69,7 +69,7 @@ _NOTE = re.compile(r"<<[^>]*>>")
 # ============================================================================ data
 def gsm8k_items(n_train: int, n_eval: int) -> Dict[str, List[Dict[str, str]]]:
     from qatfactory import assets
-    from qatfactory.distill.rewards import gsm8k_gold
+    from qatfactory.train.rl.rewards import gsm8k_gold
     recs = assets.gsm8k()
     items = [{"question": r["question"], "solution": _NOTE.sub("", r["answer"]).strip(),
               "gold": gsm8k_gold(r["answer"])} for r in recs]
@@ -208,8 +208,8 @@ def sft(model, params, data, steps: int, batch: int, lr: float, device, seed: in
 @torch.no_grad()
 def evaluate(model, tok, data, prompts, golds, gen_tokens: int, batch: int, device) -> Dict[str, float]:
     """Held-out NLL of the gold answers, and greedy generations: '#### N' format compliance, exact match."""
-    from qatfactory.distill.rewards import extract_hash, numbers_equal
-    from qatfactory.distill.rollout import SamplingConfig, generate
+    from qatfactory.train.rl.rewards import extract_hash, numbers_equal
+    from qatfactory.train.rl.rollout import SamplingConfig, generate
     from qatfactory.nn import scale_adapter as SA
     model.eval()
     tot, n = 0.0, 0.0

@@ -4,7 +4,7 @@
     check_code_plane(res, out_dir, base_dir, merged_student)    # + codes byte-identical to the base export
     check_training_logits(res, merged_student, logits, prompt)  # + the training forward's logits
 
-Called by the ship paths of method=scale_adapter (train/scale_loop.py, ``qatfactory scales``) with the
+Called by the ship paths of method=scale_adapter (train/methods/scale_adapter.py, ``qatfactory scales``) with the
 base checkpoint the adapter was trained on. Both directories are read here with the containers' own
 libraries (safetensors; gguf-py, Q/K rows un-permuted with transformers' GGUF code), nothing of the
 loader that trained (qatfactory/native.py) or of the exporters, and compared per 4-bit tensor:

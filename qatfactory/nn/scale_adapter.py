@@ -53,7 +53,7 @@ _MAX_CHANGED = {"e8m0": E8M0_MAX_CHANGED, "e4m3": E4M3_MAX_CHANGED, "ue4m3_ggml"
 
 @dataclass
 class ScaleAdapterConfig:
-    """Hydra schema ``method.scale`` (method=scale_adapter, train/scale_loop.py). ``target``: the format
+    """Hydra schema ``method.scale`` (method=scale_adapter, train/methods/scale_adapter.py). ``target``: the format
     whose scale encoder rounds the trained scales, "auto" = the base's own (another must decode the
     base's bytes identically, else a format-mismatch error); ``param``: dense theta per block or low-rank
     U @ V (``rank``); ``ste``: gradient through the continuous or the rounded scale; ``targets``: fnmatch

@@ -11,6 +11,7 @@ ranges and choices, with errors naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -26,7 +27,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
-from ..distill.rl import RLConfig
 from ..exitcodes import BadInputError, UsageError
 from ..nn.scale_adapter import ScaleAdapterConfig
 from ..quantize import QuantConfig
@@ -37,6 +37,7 @@ from .methods import (
     NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
     quant_start,
 )
+from .rl.losses import RLConfig
 
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
@@ -100,8 +101,8 @@ class MethodConfig:
     calibrate: bool = True
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
-    rl: RLConfig = field(default_factory=RLConfig)   # grpo / dapo (train/rl_loop.py)
-    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter (train/scale_loop.py)
+    rl: RLConfig = field(default_factory=RLConfig)   # grpo / dapo (train/methods/grpo.py)
+    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter (train/methods/scale_adapter.py)
     options: Dict[str, Any] = field(default_factory=dict)   # a plugin method's options (Method.options)
 
 
@@ -287,7 +288,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     elif cfg.quant.kv_format is not None:   # the KV emulation lives on a prepared student
         raise ValueError(f"quant.kv_format={cfg.quant.kv_format!r} with format=bf16: the KV-cache emulation is part of a "
                          f"quantized student (its exports carry the k/v scales); pick a weight format recipe")
+    object.__setattr__(cfg, "_validated_as", _fingerprint(cfg))
     return cfg
+
+
+def _fingerprint(cfg: RunConfig) -> str:
+    return json.dumps(to_dict(cfg), sort_keys=True, default=str)
+
+
+def is_validated(cfg: RunConfig) -> bool:
+    """Whether :func:`validate` passed this config as it is now (a value changed since is checked again)."""
+    return getattr(cfg, "_validated_as", None) == _fingerprint(cfg)
 
 
 _STORED = False

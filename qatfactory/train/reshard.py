@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from .. import _fsutil
 from .._inputs import read_json
 from ..exitcodes import BadInputError, CorruptFileError
-from . import checkpoint as C
+from . import ckpt_files as C
 
 GATHERED = "gathered"
 INDEX = "gathered.json"

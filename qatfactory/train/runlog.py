@@ -6,7 +6,7 @@ import math
 import os
 import resource
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -100,8 +100,10 @@ def read_metrics(run_dir) -> List[Dict]:
     return [r for r in (_parse(l) for l in p.read_text(errors="replace").splitlines() if l.strip()) if r is not None]
 
 
-def plot_curves(run_dir) -> List[Path]:
-    """PNG plots of the training loss / lr and the eval metrics; returns the written paths."""
+def plot_curves(run_dir, groups: Optional[Dict[str, Sequence[str]]] = None) -> List[Path]:
+    """PNG plots (plots/<group>.png) of the logged curves; ``groups``: group -> keys (the method's
+    Method.plots; default: training loss / lr / throughput and the eval metrics). A key no record
+    holds is left out; five panels a row. Returns the written paths."""
     import matplotlib  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 (heavy: matplotlib; Agg is chosen at the first plot)
@@ -109,19 +111,24 @@ def plot_curves(run_dir) -> List[Path]:
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
-    groups = {"train": ["loss", "lr", "tokens_per_s"], "eval": ["eval/kl", "eval/ce", "eval/top1"]}
+    if groups is None:
+        groups = {"train": ["loss", "lr", "tokens_per_s"], "eval": ["eval/kl", "eval/ce", "eval/top1"]}
     for name, keys in groups.items():
         keys = [k for k in keys if any(k in r for r in recs)]
         if not keys:
             continue
-        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
-        for ax, k in zip(axes[0], keys):
+        cols = min(len(keys), 5)
+        rows = math.ceil(len(keys) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, k in zip(axes.flat, keys):
             pts = [(r["step"], r[k]) for r in recs if k in r and r[k] is not None and math.isfinite(r[k])]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if name == "eval" else None, ms=3)
+                ax.plot(*zip(*pts), marker="o" if k.startswith("eval/") else None, ms=3)
             ax.set_title(k)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
         fig.tight_layout()
         p = out_dir / f"{name}.png"
         fig.savefig(p, dpi=100)
@@ -130,19 +137,23 @@ def plot_curves(run_dir) -> List[Path]:
     return written
 
 
-def summary_text(summary: Dict) -> str:
+def summary_text(summary: Dict, keys: Sequence[str] = ("kl", "ce", "ppl", "top1")) -> str:
+    """The printed end of a run: what ran, the first and last evaluation of each ``eval/<key>``, and
+    where the run's outputs are."""
     lines = [f"run: {summary['run_dir']}",
              f"method={summary['method']} format={summary['format']} steps={summary['steps']} "
              f"tokens={summary['tokens']} time={summary['time_s']:.1f}s"]
     first, last = summary.get("eval_first"), summary.get("eval_last")
     if first:
-        lines.append(f"{'':14s}{'start':>12s}{'end':>12s}")
-        for k in ("kl", "ce", "ppl", "top1"):
+        lines.append(f"{'':20s}{'start':>12s}{'end':>12s}")
+        for k in keys:
             a = first.get(f"eval/{k}")
             b = (last or {}).get(f"eval/{k}")
             fa = "-" if a is None else f"{a:.5g}"
             fb = "-" if b is None else f"{b:.5g}"
-            lines.append(f"{'eval/' + k:14s}{fa:>12s}{fb:>12s}")
-    if summary.get("student_dir"):
-        lines.append(f"student: {summary['student_dir']}")
+            lines.append(f"{'eval/' + k:20s}{fa:>12s}{fb:>12s}")
+    for k, label in (("student_dir", "student"), ("adapter_dir", "adapter"), ("scale_file", "scale_file"),
+                     ("merge_kl_to_trained", "merge_kl_to_trained")):
+        if summary.get(k) is not None:
+            lines.append(f"{label}: {summary[k]}")
     return "\n".join(lines)

@@ -1,11 +1,25 @@
-"""The method seam: what a training method is to the loop, and what a run hands to the face.
+"""The method seam: what a training method is to the one loop (train/loop.py), and what a run hands to the face.
 
-A :class:`Method` says what it needs, how it prepares the student, its loss and what it exports;
-the loop (train/engine.py) owns everything else: distributed init, DeepSpeed, the data order, the
-optimizer and LR schedule, logging, evaluation, checkpoints and resume. A method reaches those only
-through the :class:`Context` the loop lends it (``ctx.forward``, ``ctx.evaluate``,
-``ctx.reset_optimizer``). A method with a loop of its own (RL rollouts, scale adapters on a native
-4-bit base) sets :attr:`Method.own_loop`; the loop then hands the whole run to it.
+The loop owns the run: distributed init, the run directory, DeepSpeed, the optimizer and LR schedule,
+logging, evaluations, checkpoints, resume, the step levers and the summary. A :class:`Method` fills
+in hooks, each with a default that is the distillation recipe (qad):
+
+    validate(cfg)                 once, when the config is composed
+    preflight(cfg, world)         once the process group exists, before the run dir
+    build(ctx)                    ctx.model / tokenizer / source_dir   (default: runtime.build_model)
+    data(ctx)                     ctx.train_data / eval_data           (default: data.load_data)
+    prepare(ctx)                  the student: quantize, calibrate (skipped on resume)
+    module(ctx), parameters(...)  what DeepSpeed wraps, and what trains
+    accumulation(ctx)             micro-batches per optimizer step, optimizer steps per loop step
+    begin(ctx, state)             after deepspeed.initialize and a resume's load
+    before_step / micro_batches / train_step / after_step / record      one loop step
+    evaluate(ctx)                 one held-out evaluation (default: KL / CE / top-1 to the teacher)
+    end(ctx), close(ctx)          after the last step; close always, even on an error
+    state()                       what the method adds to a checkpoint (read back in begin)
+    export(ctx)                   rank 0, full weights: the Student the face ships
+
+A method reaches the loop's services only through the :class:`Context` it is lent (``ctx.engine``,
+``ctx.forward``, ``ctx.evaluate``, ``ctx.reset_optimizer``, ``ctx.teacher_outputs``, ``ctx.levers``).
 
 A run returns a :class:`Student`: the trained module, the student directory, and, when the run
 asks for an export, the converted model and where it goes. The face (``qatfactory train``,
@@ -17,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -25,7 +39,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ... import _fsutil
 from ... import quantize as Q
-from ...distill.losses import lm_loss
+from .. import runtime as R
+from ..data import Order, load_data, rank_batch
+from ..student import StudentLM, eval_count, evaluate
 
 NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 
@@ -79,12 +95,13 @@ class Student:
 
 @dataclass
 class Context:
-    """What the loop lends a method for one run. Fields are read; the services are the loop's:
-    ``forward(batch, teacher_out)`` runs the DeepSpeed-wrapped student (and so the method's
-    :meth:`Method.loss`) on one micro-batch; ``evaluate()`` records a held-out evaluation at the
-    current step; ``reset_optimizer()`` re-reads the weights into the optimizer and clears its
-    state; ``teacher_outputs(split, batch)`` is a context manager giving the teacher's outputs
-    (None without a teacher)."""
+    """What the loop lends a method for one run. Fields are read (build / data / prepare fill the
+    model and data ones); the services are the loop's: ``forward(batch, teacher_out)`` runs the
+    DeepSpeed-wrapped student (and so the method's :meth:`Method.loss`) on one micro-batch;
+    ``evaluate()`` records a held-out evaluation at the current step; ``reset_optimizer()`` re-reads
+    the weights into the optimizer and clears its state; ``teacher_outputs(split, batch)`` is a
+    context manager giving the teacher's outputs (None without a teacher); ``call(*args, **kw)``
+    runs the wrapped module with arguments of the method's own module (Method.module)."""
 
     cfg: Any
     rank: int
@@ -92,14 +109,22 @@ class Context:
     device: torch.device
     run_dir: Path
     model: Any = None                 # the Hugging Face model; Method.prepare may replace it
+    tokenizer: Any = None
     train_data: Any = None
     eval_data: Any = None
     source_dir: Optional[str] = None
     resumed: bool = False
+    eval_only: bool = False
     calib: List[Dict[str, torch.Tensor]] = field(default_factory=list)
-    step: int = 0
+    step: int = 0                     # loop steps done
+    position: int = 0                 # samples of the training order consumed (default micro_batches)
+    order: Any = None                 # data.Order of the training samples
     history: List[Dict[str, Any]] = field(default_factory=list)
+    engine: Any = None                # the DeepSpeed engine (its module: Method.module's)
+    teacher: Any = None               # student.Teacher or None
+    levers: Any = None                # the step levers of this run
     forward: Optional[Callable] = None
+    call: Optional[Callable] = None
     evaluate: Optional[Callable] = None
     reset_optimizer: Optional[Callable] = None
     teacher_outputs: Optional[Callable] = None
@@ -125,8 +150,17 @@ class Method:
     recipe: ClassVar[Optional[Dict[str, Any]]] = None
     # None: the method runs the quant_start schedule (methods/quant_start.py); else why it does not
     quant_start_refusal: ClassVar[Optional[str]] = "method={name} does not run the quant_start schedule"
-    # a loop of its own: fn(cfg, eval_only) -> summary (it still ends by returning a Student)
-    own_loop: ClassVar[Optional[Callable]] = None
+    # the run always hands its result to export() (an adapter, a scale file), not only when it saves a
+    # student or exports
+    always_exports: ClassVar[bool] = False
+    # None: ZeRO-3 runs; else why this method refuses it
+    zero3_refusal: ClassVar[Optional[str]] = None
+    # None: the method keeps k-quant scales between searches (quant.kquant_refresh_every); else why not
+    kquant_refresh_refusal: ClassVar[Optional[str]] = None
+    # the start / end rows of the printed summary, and the curves of plots/ (group -> keys)
+    summary_keys: ClassVar[Tuple[str, ...]] = ("kl", "ce", "ppl", "top1")
+    plots: ClassVar[Dict[str, Tuple[str, ...]]] = {"train": ("loss", "lr", "tokens_per_s"),
+                                                   "eval": ("eval/kl", "eval/ce", "eval/top1")}
 
     # ------------------------------------------------------------------ config
     def validate(self, cfg) -> None:
@@ -146,6 +180,16 @@ class Method:
                              + (f" (its own are method.{self.options_key}.*)" if self.options_key else ""))
         if self.options is not None and not self.options_key:
             self.opts(cfg)           # the plugin's schema: an unknown key or a wrong type is named here
+        if self.zero3_refusal and cfg.train.zero_stage == 3:
+            raise ValueError(f"method={m.name}: train.zero_stage=3 is not supported ({self.zero3_refusal}); "
+                             f"allowed: 0, 1, 2")
+        if self.kquant_refresh_refusal and cfg.quant.kquant_refresh_every != 1:
+            raise ValueError(f"quant.kquant_refresh_every={cfg.quant.kquant_refresh_every}: method={m.name} "
+                             f"{self.kquant_refresh_refusal}; allowed: 1 for this method")
+
+    def preflight(self, cfg, world: int) -> None:
+        """Once the process group exists, before the run directory is made: raise (ValueError, or an
+        exitcodes error for a bad input file) for what would fail later, e.g. cfg not fitting ``world``."""
 
     def opts(self, cfg):
         """This method's typed options (``options``), from cfg.method.<options_key> or method.options."""
@@ -168,6 +212,19 @@ class Method:
         return m.teacher if (m.loss.needs_teacher or m.eval_teacher) else None
 
     # ------------------------------------------------------------------ the student
+    def build(self, ctx: Context) -> None:
+        """ctx.model, ctx.tokenizer, ctx.source_dir: the model cfg.model names, in model.dtype (on
+        the GPU when the run has one: calibration and the teacher copy then run there)."""
+        ctx.model, ctx.tokenizer, ctx.source_dir = R.build_model(ctx.cfg, ctx.device)
+        if ctx.device.type == "cuda":
+            ctx.model.to(ctx.device)
+
+    def data(self, ctx: Context) -> None:
+        """ctx.train_data, ctx.eval_data (data.load_data) and the seeded order of the training samples."""
+        vocab = ctx.model.get_output_embeddings().weight.shape[0]
+        ctx.train_data, ctx.eval_data = load_data(ctx.cfg.data, ctx.tokenizer, vocab, ctx.cfg.train.seed)
+        ctx.order = Order(len(ctx.train_data), ctx.cfg.train.seed)
+
     def prepare(self, ctx: Context) -> None:
         """Turn ctx.model into the student: quantize.prepare for the format, the calibration
         batches (ctx.calib), and calibration unless the run resumes from a checkpoint."""
@@ -188,7 +245,42 @@ class Method:
         if cfg.method.calibrate and not ctx.resumed:
             Q.calibrate(ctx.model, ctx.calib, cfg.quant.calib_method)
 
+    def module(self, ctx: Context):
+        """The module DeepSpeed wraps; its forward gives a micro-batch's loss (default: StudentLM,
+        whose forward is :meth:`loss`)."""
+        return StudentLM(ctx.model, ctx.cfg.method.loss, self)
+
+    def parameters(self, ctx: Context, module) -> List[torch.nn.Parameter]:
+        """What the optimizer steps."""
+        return [p for p in module.parameters() if p.requires_grad]
+
+    def optimizer(self, ctx: Context, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The torch optimizer (train.optimizer=adamw_torch; adamw_fused is DeepSpeed's own)."""
+        t = ctx.cfg.train
+        return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def accumulation(self, ctx: Context) -> Tuple[int, int]:
+        """(micro-batches per optimizer step, optimizer steps per loop step)."""
+        return int(ctx.cfg.train.grad_accum), 1
+
+    def tokens(self, ctx: Context) -> int:
+        """Training tokens read so far (the summary's ``tokens``)."""
+        return ctx.step * self.tokens_per_step(ctx)
+
+    def tokens_per_step(self, ctx: Context) -> int:
+        """Training tokens one loop step reads (all ranks)."""
+        t = ctx.cfg.train
+        return t.micro_batch * ctx.world * t.grad_accum * ctx.cfg.data.seq_len
+
     # ------------------------------------------------------------------ one step
+    def micro_batches(self, ctx: Context) -> Iterator[Dict[str, torch.Tensor]]:
+        """This rank's micro-batches of one step: train.grad_accum slices of the seeded order."""
+        t = ctx.cfg.train
+        for _ in range(t.grad_accum):
+            b = rank_batch(ctx.train_data, ctx.order, ctx.position, t.micro_batch, ctx.rank, ctx.world)
+            ctx.position += t.micro_batch * ctx.world
+            yield b
+
     def train_step(self, ctx: Context, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss of one micro-batch (the loop calls backward and the optimizer step). A teacher loaded
         only to report KL (method.eval_teacher) is not run here when the loss is this class's own, which
@@ -202,8 +294,42 @@ class Method:
         """Runs inside the DeepSpeed-wrapped module's forward (so ZeRO-3 gathers what it reads):
         the chunked loss of method.loss over the next-token targets (the teacher only when the
         loss reads one)."""
-        h, w, labels, m, t = student.shifted(input_ids, attn, mask, teacher)
-        return lm_loss(h, w, labels, m, t if student.loss_cfg.needs_teacher else None, student.loss_cfg)
+        return student.default_loss(input_ids, attn, mask, teacher)
+
+    def after_step(self, ctx: Context) -> None:
+        """After the step's last optimizer step, before its record (ctx.step is not yet advanced)."""
+
+    def record(self, ctx: Context, loss_sum: torch.Tensor, micro: int) -> Dict[str, Any]:
+        """The step's logged values besides step / lr / timings: the mean loss over this step's
+        ``micro`` micro-batches and the ranks (``loss_sum``: this rank's sum, float64 on the device),
+        and ``kl`` when the loss is exactly the mean KL(teacher || student)."""
+        if ctx.world > 1:
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum = loss_sum / ctx.world
+        loss_v = float(loss_sum.cpu()) / micro
+        rec: Dict[str, Any] = {"loss": loss_v}
+        lc = ctx.cfg.method.loss
+        if lc.kind == "forward_kl" and lc.ce_weight == 0 and lc.kd_weight == 1 and lc.temperature == 1 \
+                and type(self).loss is Method.loss:
+            rec["kl"] = loss_v
+        return rec
+
+    def progress(self, ctx: Context, rec: Dict[str, Any]) -> Dict[str, Any]:
+        """What the progress bar shows after a step."""
+        post: Dict[str, Any] = {"loss": rec["loss"]}
+        if "kl" in rec:
+            post["kl"] = rec["kl"]
+        elif ctx.history and "eval/kl" in ctx.history[-1]:
+            post["eval_kl"] = ctx.history[-1]["eval/kl"]
+        post.update(lr=rec["lr"], tok_s=int(rec.get("tokens_per_s", 0)), mem=f"{rec.get('mem_gb', 0.0):.1f}G")
+        return post
+
+    def evaluate(self, ctx: Context) -> Optional[Dict[str, Any]]:
+        """One held-out evaluation (None: this run does not evaluate now): KL to the teacher, CE,
+        perplexity and top-1 agreement over train.eval_samples held-out samples."""
+        t = ctx.cfg.train
+        return evaluate(ctx.engine, ctx.eval_data, ctx.teacher, eval_count(ctx.cfg, ctx.eval_data), t.micro_batch,
+                        ctx.rank, ctx.world, ctx.device)
 
     # ------------------------------------------------------------------ hooks around the loop (no-ops)
     def lr_restart(self, cfg) -> Tuple[int, float]:
@@ -219,6 +345,13 @@ class Method:
     def end(self, ctx: Context) -> bool:
         """After the last step; True when the model changed since the last evaluation."""
         return False
+
+    def close(self, ctx: Context) -> None:
+        """When the run leaves the loop, normally or not (undo what begin entered)."""
+
+    def summary_entries(self, ctx: Context) -> Dict[str, Any]:
+        """Entries the method adds to summary.json (after export)."""
+        return {}
 
     def state(self) -> Dict[str, Any]:
         """Extra entries of trainer_state.json (read back by :meth:`begin` on resume)."""

@@ -5,7 +5,7 @@ Why: GRPO/DAPO learn only from groups whose rewards differ. SmolLM2-135M-Instruc
 generated arithmetic task was 0 at the easiest level and DAPO saw reward 0 on 11 of 12 steps
 (benchmarks/RESULTS.md, "RL on a quantized model"). QeRL starts from Qwen2.5-Instruct models that
 already follow its format and has no SFT stage; at 135M we add one, shared by every arm: the
-supervised cross-entropy of the generator's own worked solutions (distill/rewards.py ``arith_warmup``,
+supervised cross-entropy of the generator's own worked solutions (rewards.py ``arith_warmup``,
 ``target_text``), drawn from streams no RL prompt or held-out item comes from and filtered against
 every RL question (``arith_questions``). The quantized arms then quantize the warmed-up model (PTQ:
 the exact serving weights of that model), so every arm starts RL from the same policy up to the
@@ -36,9 +36,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import _fsutil
-from ..distill.rewards import Item, Task, target_text
-from .data import _encode
+from ... import _fsutil
+from ..data import _encode
+from .rewards import Item, Task, target_text
 
 
 def prompt_ids(tok, task: Task, items: Sequence[Item], use_chat: bool) -> List[List[int]]:
@@ -93,7 +93,7 @@ def sft_loss(model, prompts, targets, pad: int, device) -> torch.Tensor:
 def _autocast_dtype(device) -> Optional[torch.dtype]:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    from ..cpu import compute_dtype  # noqa: PLC0415 (a 0.3 s measurement, cached; only when warming up on CPU)
+    from ...cpu import compute_dtype  # noqa: PLC0415 (a 0.3 s measurement, cached; only when warming up on CPU)
     return torch.bfloat16 if compute_dtype("cpu")["dtype"] == "bfloat16" else None
 
 

@@ -23,7 +23,7 @@ with small integers, difficulty ``ARITH_LEVELS[level]``; :func:`pick_level` cali
 the base model's pass rate lands in a band, and raises :class:`NoSignal` when no level is ever answered
 right), ``say7``.
 
-Warm-up data (train/rl_warmup.py): every arith item carries its worked steps (``Item.solution``);
+Warm-up data (train/rl/warmup.py): every arith item carries its worked steps (``Item.solution``);
 :func:`target_text` writes them in the exact shape the reward checks, and :func:`arith_warmup` draws solved
 problems from streams of their own, never a question of :func:`arith_questions` (the RL pools and held-out
 sets), so a supervised warm-up can teach the format without showing the model a prompt it is scored on.
@@ -37,7 +37,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .. import assets
+from ... import assets
 
 TASKS = ("say7", "arith", "gsm8k")
 SAY7_WIDTH = 32      # say7: a character scores 1 - |code point - ord('7')| / 32, 0 beyond

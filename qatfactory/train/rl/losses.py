@@ -66,7 +66,7 @@ class AQNConfig:
 class RLConfig:
     """The Hydra schema ``method.rl`` for method=grpo|dapo."""
 
-    # task and reward (qatfactory/distill/rewards.py)
+    # task and reward (train/rl/rewards.py)
     task: str = "arith"              # say7 | arith | gsm8k
     task_level: int = 1              # arith: difficulty (rewards.ARITH_LEVELS)
     answer_format: str = "tag"       # tag (<think>..</think><answer>N</answer>) | hash ("#### N")
@@ -75,13 +75,13 @@ class RLConfig:
     n_train: int = 1000              # prompts in the training pool (arith: generated; gsm8k: <= 1000)
     n_eval: int = 64                 # held-out prompts evaluated greedily at the start and the end
     chat_template: bool = True       # render prompts with the tokenizer's chat template
-    # supervised warm-up before RL (train/rl_warmup.py; task=arith only): full fine-tuning of the
+    # supervised warm-up before RL (train/rl/warmup.py; task=arith only): full fine-tuning of the
     # model before it is quantized, on worked solutions no RL prompt or held-out item shares
     warmup_steps: int = 0            # 0: none
     warmup_batch: int = 8
     warmup_lr: float = 1e-4
     warmup_levels: List[int] = field(default_factory=list)   # arith levels taken in turn; [] = all
-    # rollouts (qatfactory/distill/rollout.py)
+    # rollouts (train/rl/rollout.py)
     prompts_per_step: int = 4        # global prompts per RL step (split over ranks)
     group_size: int = 8              # G completions per prompt
     max_new_tokens: int = 64
