@@ -44,7 +44,8 @@ def _files():
         yield f
 
 
-def arrows():
+def imports():
+    """(file, line, importing module, imported module) for every import of a qatfactory module."""
     for f in _files():
         mod = _module(f)
         pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
@@ -57,11 +58,20 @@ def arrows():
                 targets = [base] if n.module else [f"{base}.{a.name}" for a in n.names]
             elif isinstance(n, ast.ImportFrom) and n.module:
                 targets = [n.module]
+            if isinstance(n, ast.ImportFrom) and n.module and targets:
+                # `from pkg import name`: name may be a submodule of pkg (the layer arrows see pkg alone)
+                targets += [f"{targets[0]}.{a.name}" for a in n.names]
             for t in targets:
-                a, b = mod.split("."), t.split(".")
-                src = "__main__" if f.name == "__main__.py" else a[1] if len(a) > 1 else None
-                if b[0] == "qatfactory" and src and len(b) > 1 and a[1] != b[1]:
-                    yield f.relative_to(ROOT), n.lineno, src, b[1]
+                if t.split(".")[0] == "qatfactory":
+                    yield f, n.lineno, mod, t
+
+
+def arrows():
+    for f, line, mod, t in imports():
+        a, b = mod.split("."), t.split(".")
+        src = "__main__" if f.name == "__main__.py" else a[1] if len(a) > 1 else None
+        if src and len(b) > 1 and a[1] != b[1]:
+            yield f.relative_to(ROOT), line, src, b[1]
 
 
 def test_no_import_arrow_outside_the_design():
@@ -75,3 +85,18 @@ def test_the_walk_sees_the_arrows_it_should():
     assert {("nn", "formats"), ("kernels", "formats"), ("quantize", "nn"), ("train", "quantize"),
             ("exporters", "formats")} <= seen
     assert allowed("formats") == LEAF and "train" not in allowed("exporters")
+
+
+# the training performance levers (train/levers.py installs them) reach into the core through hooks the
+# core offers (linear.WEIGHT_HOOK, fake_quant.set_step_rule, per-instance forwards); the core never imports them
+LEVERS = ("qatfactory.nn.lowbit_batch", "qatfactory.nn.kquant_refresh", "qatfactory.nn.lean_act",
+          "qatfactory.train.ds_step", "qatfactory.train.levers")
+LEVER_USERS = set(LEVERS) | {"qatfactory.train.engine"}
+
+
+def test_the_core_does_not_import_the_training_levers():
+    seen = [(f, line, mod, t) for f, line, mod, t in imports()
+            if any(t == lv or t.startswith(lv + ".") for lv in LEVERS)]
+    bad = [f"{f.relative_to(ROOT)}:{line}: {mod} -> {t}" for f, line, mod, t in seen if mod not in LEVER_USERS]
+    assert not bad, "a core module imports a training lever:\n" + "\n".join(bad)
+    assert any(mod == "qatfactory.train.levers" for _, _, mod, _ in seen)      # the walk sees the levers' own

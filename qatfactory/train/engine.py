@@ -54,9 +54,8 @@ from ..distill.teachers import (
     weights_sha256,
 )
 from ..exitcodes import CorruptFileError, UsageError
-from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
-from . import ds_step, rundir, runlock
+from . import levers, rundir, runlock
 from .config import NO_QUANT, RunConfig, to_dict, validate
 from .data import Order, load_data, load_tokenizer, rank_batch
 from .methods import Context, Method, Student, get_method
@@ -285,7 +284,7 @@ def ds_config(cfg: RunConfig, device: str, with_optimizer: bool) -> Dict[str, An
     if t.zero_stage == 3:
         d["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
     # DeepSpeed's throughput timer syncs the device twice a step (off unless train.ds_timers)
-    d.update(ds_step.ds_config(t))
+    d.update(levers.ds_config(t))
     if t.grad_accum_dtype is not None:
         # bf16 weights with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (ZeRO-1 and up)
         d["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
@@ -320,7 +319,7 @@ def _optimizer_stepped(engine) -> bool:
     return False
 
 
-def reset_optimizer(engine) -> None:
+def reset_optimizer(engine, lv: levers.Levers) -> None:
     """The optimizer's fp32 masters re-read from the module (after something wrote the weights,
     e.g. a calibration) and its state cleared: the next step is a fresh AdamW's first."""
     opt = engine.optimizer
@@ -330,7 +329,7 @@ def reset_optimizer(engine) -> None:
         base = _base_optimizer(engine)
         if base is not None:
             base.state.clear()
-    step_cache.weights_changed()
+    lv.weights_changed()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -410,9 +409,10 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
                              f"allowed: 1 for this method")
         with runlock.held():        # the run directory stays locked to this process until the run ends
             return method.own_loop(cfg, eval_only)
-    # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
-    with runlock.held(), step_cache.enabled():
-        return _run(cfg, method, eval_only)
+    # the performance levers, from the config alone (train/levers.py): scoped to the run, undone after it
+    lv = levers.Levers(cfg, training=method.needs.trains and not eval_only)
+    with runlock.held(), lv:
+        return _run(cfg, method, eval_only, lv)
 
 
 def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, eval_s, run_dir: Path, rank: int,
@@ -461,7 +461,7 @@ def _load_teacher(cfg: RunConfig, kind: Optional[str], teacher_init, train_s, ev
                     CachedTeacher(str(cache_root / "eval"), expect=expect(eval_s)))
 
 
-def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
+def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> Dict[str, Any]:
     import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     t = cfg.train
     device = _resolve_device(t.device)
@@ -491,8 +491,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
     method.prepare(ctx)
     model = ctx.model
     quantized = cfg.quant.weight_format not in NO_QUANT
-    if t.lean_act:
-        lean_act.register(model)      # less activation memory, the same bits (nn/lean_act.py)
+    lv.install(model)                 # train.lean_act: less activation memory, the same bits
     if t.grad_ckpt:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -521,21 +520,15 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         restart = method.lr_restart(cfg)
         kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t, restart))
     engine, *_ = deepspeed.initialize(model=student, config=dcfg, **kw)
-    step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
-    if train_now and t.lean_step:
-        # DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (same bits; ds_step.py)
-        ds_step.install(engine, world)
+    lv.attach(engine, world)          # train.lean_step, train.lowbit_batch (levers.py)
     if train_now and t.fresh_adam and _optimizer_stepped(engine):
-        reset_optimizer(engine)       # the first update is AdamW's step 1 (config.py: fresh_adam)
-    if quantized and not t.grad_ckpt and lowbit_batch.enabled_by_env():
-        # the ParetoQ grids' learnable fake quant in a few calls per forward instead of one per linear
-        lowbit_batch.register(model)
+        reset_optimizer(engine, lv)   # the first update is AdamW's step 1 (config.py: fresh_adam)
 
     position, logger_start = 0, 0
     st: Dict[str, Any] = {}
     if resume_from is not None:
         st = ckpt.load(engine, resume_from, rank)
-        step_cache.weights_changed()
+        lv.weights_changed()
         ctx.step, position, ctx.history = st["step"], st["position"], st.get("eval_history", [])
         logger_start = ctx.step
     history = ctx.history
@@ -558,14 +551,14 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         return r
 
     def forward(b, tout):
-        lowbit_batch.new_pass()
+        lv.forward()
         return engine(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
 
     def teacher_outputs(split, b):
         return teacher.batch(split, b, dev) if teacher is not None else contextlib.nullcontext()
 
     ctx.forward, ctx.evaluate, ctx.teacher_outputs = forward, do_eval, teacher_outputs
-    ctx.reset_optimizer = lambda: reset_optimizer(engine)
+    ctx.reset_optimizer = lambda: reset_optimizer(engine, lv)
     method.begin(ctx, st)
 
     if resume_from is None or eval_only:
@@ -586,7 +579,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         lr_now = float(engine.get_lr()[0])
         # quant.kquant_refresh_every > 1: the k-quant scale search runs on steps 0, K, 2K, ... only;
         # evaluations and exports (outside this block) always run it (nn/kquant_refresh.py)
-        with kquant_refresh.training_step(model, ctx.step):
+        with lv.step(ctx.step):
             for _ in range(t.grad_accum):
                 b = rank_batch(train_s, order, position, t.micro_batch, rank, world)
                 position += t.micro_batch * world
@@ -599,7 +592,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
                 boundary = engine.is_gradient_accumulation_boundary()
                 engine.step()
                 if boundary:
-                    step_cache.weights_changed()
+                    lv.weights_changed()
                 loss_sum += loss.detach().double()      # stays on the device: one host sync per step
         ctx.step += 1
         step = ctx.step
