@@ -16,7 +16,8 @@ imports a lever):
 The loop's whole interface, one :class:`Levers` per run::
 
     lv = Levers(cfg, training)          # reads cfg fields only; a bad value -> UsageError naming the field
-    with lv:                            # the run's scope: step cache, batching mode, NVFP4 kernel; undone on exit
+    with lv:                            # the run's scope: step cache, batching mode, NVFP4 kernel; on exit
+                                        # all undone (lean_act patches, low-bit groups, the callers' settings)
         lv.install(model)               # the prepared student, before DeepSpeed wraps it (lean_act)
         engine = deepspeed.initialize(...)
         lv.attach(engine, world)        # after it: the lean step (training and lean_step), low-bit batching
@@ -121,6 +122,8 @@ class Levers:
     def step(self, step: int) -> ContextManager:
         """Around optimizer step ``step`` (the number done before it): k-quant scales kept between
         searches (quant.kquant_refresh_every; a no-op for every other model)."""
+        if self.model is None:      # nothing installed: no quantizer of this run keeps scales
+            return contextlib.nullcontext()
         return kquant_refresh.training_step(self.model, step)
 
     def weights_changed(self) -> None:
