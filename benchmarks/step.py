@@ -10,8 +10,13 @@ beside the peers (plain PyTorch loops, NVIDIA Model Optimizer; benchmarks/step_p
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
+<<<<<<< HEAD
 real trainer (qatfactory.train.loop.run). ``--before`` adds, beside each QAT/QAD row, the same run with
 issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
+=======
+real trainer (qatfactory.train.loop.run). ``--before`` adds, beside each QAT/QAD row, the same run with
+issue 17's switchable levers off (train.weight_cache=false: fq(W) every forward; method.loss.fused=false:
+>>>>>>> wt-levers
 autograd per loss chunk; the per-linear launch plan cannot be switched off and is in both), and beside SFT,
 W4A4 and live QAD a "[before: stock DeepSpeed step]" row (train.lean_step=false train.ds_timers=true:
 DeepSpeed's per-parameter bf16 step, one-rank all-reduce and timer syncs; benchmarks/step_counts.py counts
@@ -93,7 +98,7 @@ SHAPE_NAMES = {"llama1b": "random Llama hidden 2048 x 16 layers",
                "moe_smoke": "random Qwen3-MoE, CPU smoke shape (64 x 2 layers, 8 experts, top-2): checks the "
                             "script, measures nothing"}
 BEFORE = " [before: weight cache off, unfused loss]"
-BEFORE_OVER = ["method.loss.fused=false", "env:QF_WEIGHT_CACHE=0"]
+BEFORE_OVER = ["method.loss.fused=false", "train.weight_cache=false"]
 HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
 # issue 17, the host work of the step (train/ds_step.py; the same bits, tests/test_step_levers.py): DeepSpeed's
 # own bf16 ZeRO-0 step (a host read and copies per parameter), its one-rank all-reduce and throughput timer
@@ -101,7 +106,7 @@ BEFORE_DS = " [before: stock DeepSpeed step]"
 BEFORE_DS_OVER = ["train.lean_step=false", "train.ds_timers=true"]
 HAS_BEFORE_DS = ("bf16 SFT (no quant, CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher")
 # (before suffix, the variants that have one, what the before row turns off): the levers table pairs them
-BEFORE_KINDS = ((BEFORE, HAS_BEFORE, "QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both"),
+BEFORE_KINDS = ((BEFORE, HAS_BEFORE, "train.weight_cache=false method.loss.fused=false; the launch plan is in both"),
                 (BEFORE_DS, HAS_BEFORE_DS, "train.lean_step=false train.ds_timers=true"))
 
 

@@ -293,7 +293,7 @@ class Counts:
 # host reads that a GPU run does not make (the value is a host tensor there too, or the code path is the
 # CPU's): (substring of "phase | kind | site", why)
 CPU_ONLY = (("qatfactory/train/data.py", "the sample order is a host tensor on a GPU too"),
-            ("scalar | qatfactory/train/engine.py", "float() of the loss already copied to the host"),
+            ("scalar | qatfactory/train/methods/base.py", "float() of the loss already copied to the host"),
             ("adam | aten reads not from a Python call", "torch's fused AdamW on a CPU reads each step counter; "
                                                          "on CUDA the counters are device tensors"),
             ("qatfactory/formats/", "the CPU's format emulator; the CUDA kernels take the amax on the device"))
@@ -371,6 +371,11 @@ def _wrap_tensor_backward(patches: list) -> None:
     _wrap(torch.Tensor, "backward", "backward", patches)
 
 
+# the GPU's weight-cache fill: one batched launch per row length instead of one per linear (first, so a
+# variant's own overrides still win)
+GPU_FILL = "train.weight_cache_batch=always"
+
+
 def run_ours(name: str, over, args) -> dict:
     import step
     step.MODELS["thin16"] = THIN
@@ -380,7 +385,7 @@ def run_ours(name: str, over, args) -> dict:
     counts = Counts(args.skip, args.steps)
     t0 = time.time()
     with instrumented(counts, fused_adam=not args.torch_adamw):
-        row = step.one(name, over, ns, tag=f"counts{int(t0 * 1000) % 100000}")
+        row = step.one(name, [GPU_FILL, *over], ns, tag=f"counts{int(t0 * 1000) % 100000}")
     return {"variant": name, **counts.result(), "run_s": time.time() - t0, "cpu_ms_per_step": row["ms_per_step"]}
 
 
@@ -459,8 +464,6 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # the GPU's weight-cache fill: one batched launch per row length instead of one per linear
-    os.environ.setdefault("QF_WEIGHT_CACHE_BATCH", "always")
     import step
     allv = step.variants(args.format, before=True)
     names = [n for n in args.variants.split("|") if n]

@@ -184,7 +184,7 @@ def measure_path(name: str, over, args) -> dict:
     DeepSpeedEngine.destroy, deepspeed.initialize, E.rank_batch = grab, initialize, marked
     try:
         with step_counts.instrumented_phases(), prof:
-            step.one(name, over, ns, tag=f"mem{int(time.time() * 1000) % 100000}")
+            step.one(name, [step_counts.GPU_FILL, *over], ns, tag=f"mem{int(time.time() * 1000) % 100000}")
     finally:
         DeepSpeedEngine.destroy, deepspeed.initialize, E.rank_batch = destroy, init, draw
     with open(trace) as f:
@@ -291,7 +291,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("QF_WEIGHT_CACHE_BATCH", "always")
     import step
     allv = step.variants("nvfp4", before=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,

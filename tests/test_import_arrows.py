@@ -44,7 +44,8 @@ def _files():
         yield f
 
 
-def arrows():
+def imports():
+    """(file, line, importing module, imported module) for every import of a qatfactory module."""
     for f in _files():
         mod = _module(f)
         pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
@@ -57,11 +58,20 @@ def arrows():
                 targets = [base] if n.module else [f"{base}.{a.name}" for a in n.names]
             elif isinstance(n, ast.ImportFrom) and n.module:
                 targets = [n.module]
+            if isinstance(n, ast.ImportFrom) and n.module and targets:
+                # `from pkg import name`: name may be a submodule of pkg (the layer arrows see pkg alone)
+                targets += [f"{targets[0]}.{a.name}" for a in n.names]
             for t in targets:
-                a, b = mod.split("."), t.split(".")
-                src = "__main__" if f.name == "__main__.py" else a[1] if len(a) > 1 else None
-                if b[0] == "qatfactory" and src and len(b) > 1 and a[1] != b[1]:
-                    yield f.relative_to(ROOT), n.lineno, src, b[1]
+                if t.split(".")[0] == "qatfactory":
+                    yield f, n.lineno, mod, t
+
+
+def arrows():
+    for f, line, mod, t in imports():
+        a, b = mod.split("."), t.split(".")
+        src = "__main__" if f.name == "__main__.py" else a[1] if len(a) > 1 else None
+        if src and len(b) > 1 and a[1] != b[1]:
+            yield f.relative_to(ROOT), line, src, b[1]
 
 
 def test_no_import_arrow_outside_the_design():
@@ -75,3 +85,85 @@ def test_the_walk_sees_the_arrows_it_should():
     assert {("nn", "formats"), ("kernels", "formats"), ("quantize", "nn"), ("train", "quantize"),
             ("exporters", "formats")} <= seen
     assert allowed("formats") == LEAF and "train" not in allowed("exporters")
+
+
+# the training performance levers (train/levers.py installs them) reach into the core through hooks the
+# core offers (linear.WEIGHT_HOOK, fake_quant.set_step_rule, per-instance forwards); the core never imports them
+LEVERS = ("qatfactory.nn.lowbit_batch", "qatfactory.nn.kquant_refresh", "qatfactory.nn.lean_act",
+          "qatfactory.train.ds_step", "qatfactory.train.levers")
+LEVER_USERS = set(LEVERS) | {"qatfactory.train.loop", "qatfactory.train.runtime"}
+
+
+def test_the_core_does_not_import_the_training_levers():
+    seen = [(f, line, mod, t) for f, line, mod, t in imports()
+            if any(t == lv or t.startswith(lv + ".") for lv in LEVERS)]
+    bad = [f"{f.relative_to(ROOT)}:{line}: {mod} -> {t}" for f, line, mod, t in seen if mod not in LEVER_USERS]
+    assert not bad, "a core module imports a training lever:\n" + "\n".join(bad)
+    assert any(mod == "qatfactory.train.levers" for _, _, mod, _ in seen)      # the walk sees the levers' own
+
+
+# ----------------------------------------------------------------------------- no circle, inside a package too
+def circles(edges):
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    graph = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    import sys
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10_000))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(old)
+    return out
+
+
+def module_edges():
+    """Module -> module edges of every import (function-local ones too), each target resolved to the
+    deepest module of this tree it names (``from .methods import Method`` -> qatfactory.train.methods)."""
+    known = {_module(f) for f in _files()}
+    for f, line, mod, t in imports():
+        parts = t.split(".")
+        while parts and ".".join(parts) not in known:
+            parts.pop()
+        if parts and ".".join(parts) != mod:
+            yield mod, ".".join(parts)
+
+
+def test_no_import_circle_anywhere():
+    found = circles(module_edges())
+    assert not found, "import circles (a lazy import counts too):\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_circle_finder_finds_circles():
+    # a finder that never finds one proves nothing: a 3-circle, a self-import, and a chain that is not one
+    assert circles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
+    assert circles([("x", "x")]) == [["x"]] and circles([("p", "q"), ("q", "r")]) == []
+    edges = set(module_edges())
+    assert ("qatfactory.train.loop", "qatfactory.train.methods") in edges     # the walk resolves packages

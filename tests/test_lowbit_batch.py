@@ -160,7 +160,7 @@ def test_unused_member_gets_no_gradient_and_entries_do_not_outlive_their_pass():
         # quantization off (quant_start's full-precision phase): no longer a member
         c.quant_enabled = False
         assert lowbit_batch.weight(c) is None
-    assert lowbit_batch.weight(a) is None and "_qf_lowbit_group" not in a.__dict__   # the block ended
+    assert lowbit_batch.weight(a) is None and lowbit_batch._ATTR not in a.__dict__   # the block ended
 
 
 def _scalar_reads(fn) -> int:
@@ -206,7 +206,7 @@ TRAIN = ["method=qat", "format=paretoq_4bit", "model.tiny.initializer_range=0.3"
 @pytest.mark.parametrize("switch", [[], ["train.quant_start=0.5", "train.quant_lr=1e-3"]], ids=["qat", "quant_start"])
 def test_trainer_batched_run_equals_the_per_linear_run(tmp_path, monkeypatch, switch):
     """Same losses, evaluations and trained student bit for bit with the batched fake quant (the default)
-    and without it (QF_LOWBIT_BATCH=0); gradient accumulation: one entry per micro-batch's pass; with
+    and without it (train.lowbit_batch=false); gradient accumulation: one entry per micro-batch's pass; with
     quant_start, the full-precision steps first (nothing batched), the quantized ones after the switch."""
     from qatfactory.quantize import load_student
     c0 = lowbit_batch.stats()["calls"]
@@ -215,8 +215,7 @@ def test_trainer_batched_run_equals_the_per_linear_run(tmp_path, monkeypatch, sw
     # 2 groups (K = 64, 128) x (3 steps x 2 micro-batches + 3 evaluations: start, step 2, end); with the
     # switch at step 2: 1 step x 2 micro-batches + the end's evaluation (the others in full precision)
     assert calls == (2 * (6 + 3) if not switch else 2 * (2 + 1)), calls
-    monkeypatch.setenv("QF_LOWBIT_BATCH", "0")
-    b = _run(tmp_path / "per_linear", *TRAIN, *switch)
+    b = _run(tmp_path / "per_linear", *TRAIN, *switch, "train.lowbit_batch=false")
     assert lowbit_batch.stats()["calls"] - c0 == calls
     assert _losses(tmp_path / "batched") == _losses(tmp_path / "per_linear")
     assert [h["eval/ce"] for h in a["eval_history"]] == [h["eval/ce"] for h in b["eval_history"]]
@@ -287,13 +286,3 @@ def test_chunked_calls_equal_one_call(monkeypatch):
     calls, chunked = run()
     assert (one_calls, calls) == (1, 3)
     assert all(torch.equal(a, b) for a, b in zip(one, chunked))
-
-
-def test_switch_is_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("QF_LOWBIT_BATCH", "0")
-    assert lowbit_batch.enabled_by_env() is False
-    monkeypatch.setenv("QF_LOWBIT_BATCH", "maybe")
-    with pytest.raises(ValueError, match="QF_LOWBIT_BATCH='maybe'; allowed: 1"):
-        lowbit_batch.enabled_by_env()
-    monkeypatch.delenv("QF_LOWBIT_BATCH")
-    assert lowbit_batch.enabled_by_env() is True

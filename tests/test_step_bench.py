@@ -107,7 +107,7 @@ def test_report_pairs_before_and_after_and_says_what_did_not_run():
                                    repeat=2, profile_steps=2)
     md, rows = step.report(order, runs, ["round 1: 'x' not run (budget)"], args)
     assert [r["variant"] for r in rows][-1] == "ModelOpt W4A16 QAT, fp32 masters"      # ours first
-    assert "| QAT W4A16 (CE) | QF_WEIGHT_CACHE=0 and method.loss.fused=false; the launch plan is in both | 20.0 | " \
+    assert "| QAT W4A16 (CE) | train.weight_cache=false method.loss.fused=false; the launch plan is in both | 20.0 | " \
         "15.0 | 0.75 | 2.0 | 3.0 |" in md
     assert "| QAT W4A4 (CE) | train.lean_step=false train.ds_timers=true | 30.0 | 24.0 | 0.80 |" in md
     assert "| ModelOpt W4A16 QAT, fp32 masters | not run: CUDA only (x) |" in md

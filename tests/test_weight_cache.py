@@ -210,11 +210,9 @@ def test_what_is_not_cached_and_the_switches(monkeypatch):
     assert weight_cache.lookup(s) is None                           # outside the trainer: never
     with step_cache.enabled(weights=False):
         assert weight_cache.lookup(s) is None
-    monkeypatch.setenv("QF_WEIGHT_CACHE", "0")
-    with step_cache.enabled():
+    with step_cache.enabled(weights=False):
         assert not step_cache.weights_cached() and weight_cache.lookup(s) is None
-    monkeypatch.setenv("QF_WEIGHT_CACHE", "1")
-    with step_cache.enabled():
+    with step_cache.enabled():                                      # the default keeps them
         e = weight_cache.lookup(s)
         assert e is not None and torch.equal(e.wq, q.quantized_weight().detach())
         assert weight_cache.lookup(s) is e
@@ -222,10 +220,6 @@ def test_what_is_not_cached_and_the_switches(monkeypatch):
         assert weight_cache.lookup(s) is None
         q.quant_enabled = True
     assert s.entry is None                                          # leaving the block frees every entry
-    monkeypatch.setenv("QF_WEIGHT_CACHE", "maybe")
-    with pytest.raises(ValueError, match="QF_WEIGHT_CACHE='maybe'"):
-        with step_cache.enabled():
-            pass
     with pytest.raises(ValueError, match="allowed"):
         weight_cache.set_batching("sometimes")
     # learnable scales train through the quantizer, LoRA merges first: the per-forward path runs
@@ -241,7 +235,6 @@ def test_what_is_not_cached_and_the_switches(monkeypatch):
 def _trainer_run(tmp_path, name, cache, monkeypatch, *over):
     from qatfactory.train.config import compose
     from qatfactory.train.loop import run
-    monkeypatch.setenv("QF_WEIGHT_CACHE", "1" if cache else "0")
     weight_cache.reset_stats()
     served = {True: 0, False: 0}          # kept entries handed to a forward: experts / linears
     lookup = weight_cache.lookup
@@ -254,7 +247,7 @@ def _trainer_run(tmp_path, name, cache, monkeypatch, *over):
     cfg = compose(["train=cpu_tiny", "data.synthetic=16", "data.seq_len=32", "data.eval_samples=2",
                    "train.eval_every=2", "train.max_steps=3", "train.lr=1e-2", "train.grad_accum=2",
                    "method=qad", "format=nvfp4_w4a4", "model.tiny.initializer_range=0.3",
-                   f"run_dir={tmp_path / name}", *over])
+                   f"train.weight_cache={'true' if cache else 'false'}", f"run_dir={tmp_path / name}", *over])
     s = run(cfg)
     s.pop("engine").destroy()
     recs = [json.loads(line) for line in (Path(tmp_path / name) / "metrics.jsonl").read_text().splitlines()]

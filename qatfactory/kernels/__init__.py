@@ -27,7 +27,8 @@ NVFP4 (nvfp4, nvfp4_act) forward and quantize-only run ``nvfp4_qdq16``: one thre
 16-element block, the per-tensor constants precomputed per group by a one-thread-per-group
 launch (``nvfp4_consts``); weights read their own 32 bytes per thread (v2), activations use the
 warp-coalesced lane-exchange layout (v2x); the clipped-STE backward stays on the original
-``fp4_qdq`` (v1), which was faster there. ``QF_NVFP4_KERNEL=v1|v2|v2x`` forces one (see
+``fp4_qdq`` (v1), which was faster there. ``set_nvfp4_kernel`` (the trainer: ``train.nvfp4_kernel``) or,
+for code outside the trainer such as benchmarks, ``QF_NVFP4_KERNEL=v1|v2|v2x`` forces one (see
 ``nvfp4_kernel_version``); all give the same bits.
 """
 from __future__ import annotations
@@ -247,16 +248,32 @@ def _launch_fp4(x, fmt, amax, mode, g=None):
 
 
 NVFP4_KERNELS = ("auto", "v1", "v2", "v2x")
+_NVFP4_SET: Dict[str, Optional[str]] = {"version": None}
+
+
+def set_nvfp4_kernel(version: Optional[str]) -> Optional[str]:
+    """Fix the NVFP4 kernel for every launch until changed (the trainer sets ``train.nvfp4_kernel`` for its
+    run and puts the previous setting back after); None: unset ($QF_NVFP4_KERNEL, else auto). Returns the
+    previous setting."""
+    if version is not None and version not in NVFP4_KERNELS:
+        raise ValueError(f"NVFP4 kernel {version!r}; allowed: {', '.join(NVFP4_KERNELS)}")
+    prev = _NVFP4_SET["version"]
+    _NVFP4_SET["version"] = version
+    return prev
 
 
 def nvfp4_kernel_version() -> str:
-    """Which NVFP4 (nvfp4 / nvfp4_act) kernel _launch_fp4 uses, from $QF_NVFP4_KERNEL (read at
-    every launch, so a benchmark can switch it between calls):
+    """Which NVFP4 (nvfp4 / nvfp4_act) kernel _launch_fp4 uses: what ``set_nvfp4_kernel`` set, else
+    $QF_NVFP4_KERNEL (read at every launch, so a benchmark outside the trainer can switch it between
+    calls; inside the trainer the setting always wins, so the environment never changes a run):
     ``auto`` (default) the fastest of the three per rule and direction, as measured on an H200;
     ``v2`` nvfp4_qdq16, one thread per 16-element block reading its own 32/64 bytes;
     ``v2x`` nvfp4_qdq16 with the warp-coalesced loads + lane exchange (bf16/fp16; fp32 runs v2);
     ``v1`` the original fp4_qdq (16 bytes per thread, the block scale computed per lane).
     All three give the same bits."""
+    v = _NVFP4_SET["version"]
+    if v is not None:
+        return v
     v = os.environ.get("QF_NVFP4_KERNEL", "").strip().lower() or "auto"
     if v not in NVFP4_KERNELS:
         raise ValueError(f"QF_NVFP4_KERNEL={v!r}; allowed: {', '.join(NVFP4_KERNELS)}")

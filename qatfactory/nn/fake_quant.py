@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -27,9 +27,20 @@ from ..formats import codecs as C
 from ..formats import get_format, list_formats
 from ..formats.scale_search import GRID_CODECS as _GRID_CODECS  # the one-byte block-scale grids
 from ..formats.scale_search import scale_grid
-from . import kquant_refresh
 
 E2M1_QMAX = 6.0
+# the hook of the trainer's optimizer steps for quantizers that keep k-quant scales between searches
+# (refresh_every > 1): rule(quantizer, w3, imatrix) -> the fake-quantized w3, or None for the full search.
+# Set only while a step runs (nn/kquant_refresh.py installs it), so everything else -- evaluation,
+# calibration, export, a user's own forward -- runs the full search.
+_STEP_RULE: dict = {"rule": None}
+
+
+def set_step_rule(rule: Optional[Callable]) -> Optional[Callable]:
+    """Install the optimizer-step rule (None: none); returns the previous one."""
+    prev = _STEP_RULE["rule"]
+    _STEP_RULE["rule"] = rule
+    return prev
 
 
 def has_global_scale(fmt) -> bool:
@@ -125,7 +136,7 @@ class _LSQ(torch.autograd.Function):
 class WeightQuantizer(nn.Module):
     """Fake-quantizes a weight viewed as [G, R, K] (G per-tensor scale groups)."""
 
-    # > 1: the k-quant scale search runs every this many optimizer steps (nn/kquant_refresh.py)
+    # > 1: the k-quant scale search runs every this many optimizer steps (state: nn/kept_scales.py)
     refresh_every = 1
 
     def __init__(self, fmt_name: str, strategy: str, shape3, ste: str = "identity", device=None):
@@ -203,10 +214,10 @@ class WeightQuantizer(nn.Module):
             grid = scale_grid(fmt)
             gs = 1.0 / math.sqrt(fmt.spec.block_size * E2M1_QMAX)
             return _LSQ.apply(w3, self.scale, self.gscale, amax, fmt, grid, gs)
-        if self.refresh_every > 1:
-            y = kquant_refresh.forward(self, w3, self._imatrix())
-            if y is not None:
-                return y
+        rule = _STEP_RULE["rule"] if self.refresh_every > 1 else None
+        y = None if rule is None else rule(self, w3, self._imatrix())
+        if y is not None:
+            return y
         # the fused CUDA kernel on GPU, the format's torch emulator elsewhere (bit-identical)
         return kernels.fake_quantize(w3, fmt.name, ste=self.ste, **quant_kwargs(
             fmt, amax=amax, scales=self.scale_bytes(), imatrix=self._imatrix()))

@@ -10,7 +10,9 @@ Inside the trainer (``step_cache.enabled()``) fq(W) is computed once per optimiz
 (nn/weight_cache.py): every micro-batch forward, the backward and evaluation read the kept tensor,
 with the same bits and gradients as the per-forward path. The ParetoQ grids' learnable scales train
 through the quantizer and cannot be kept: there the trainer batches all linears of a format into a few
-calls per forward instead (nn/lowbit_batch.py).
+calls per forward instead (nn/lowbit_batch.py), through the instance hook ``WEIGHT_HOOK``: an object
+there whose ``lookup(module)`` gives fq(W) for this forward (with its graph), or None for the module's
+own path. This module knows only the hook; the lever that fills it imports this one, not the reverse.
 """
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from . import lowbit_batch, step_cache, weight_cache
+from . import step_cache, weight_cache
 from .fake_quant import ActQuantizer, quant_kwargs
 from .lora import LoRA
 from .lowbit import make_weight_quantizer
+
+# instance attribute a training lever may set (module docstring); absent: the module's own path
+WEIGHT_HOOK = "_qf_weight_hook"
 
 
 class QuantLinear(nn.Module):
@@ -150,23 +155,32 @@ class QuantLinear(nn.Module):
         return p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fq_x(x) @ fq_w(W)^T + b. The operands come from one of: the plain linear (quantization off);
+        _QuantLinearFn (training where the recompute-in-backward plan holds), with the step's kept fq(W)
+        when there is one; else F.linear of fq_x(x) and, in this order of preference, the step's kept
+        fq(W), a lever's weight (``WEIGHT_HOOK``), or fq(W) computed now."""
+        fn_args = None          # (amax, kept fq(W)) for _QuantLinearFn
+        xq, wt = x, None
         if not self.quant_enabled:
-            return F.linear(x, self.merged_weight(), self.bias)
-        w, wq, iq, fn, dynamic, site, _ = self._plan()
-        e = weight_cache.lookup(site) if step_cache.weights_cached() else None
-        if (fn and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-                and not (iq is not None and iq.calibrating)):
-            if e is not None:
-                return _QuantLinearFn.apply(x, w, self.bias, self, e.amax, e.wq)
-            return _QuantLinearFn.apply(x, w, self.bias, self, self.group_amax() if dynamic else None, None)
-        xq = x if iq is None else iq(x)
-        if e is not None:
-            return F.linear(xq, weight_cache.training_weight(site, e), self.bias)
-        if "_qf_lowbit_group" in self.__dict__:         # the trainer's batched ParetoQ grids (nn/lowbit_batch.py)
-            wb = lowbit_batch.weight(self)
-            if wb is not None:
-                return F.linear(xq, wb, self.bias)
-        return F.linear(xq, self.quantized_weight(), self.bias)
+            wt = self.merged_weight()
+        else:
+            w, wq, iq, fn, dynamic, site, _ = self._plan()
+            e = weight_cache.lookup(site) if step_cache.weights_cached() else None
+            if (fn and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+                    and not (iq is not None and iq.calibrating)):
+                fn_args = (e.amax, e.wq) if e is not None else (self.group_amax() if dynamic else None, None)
+            else:
+                xq = x if iq is None else iq(x)
+                if e is not None:
+                    wt = weight_cache.training_weight(site, e)
+                else:
+                    hook = self.__dict__.get(WEIGHT_HOOK)
+                    wt = None if hook is None else hook.lookup(self)
+                    if wt is None:
+                        wt = self.quantized_weight()
+        y = F.linear(xq, wt, self.bias) if fn_args is None else \
+            _QuantLinearFn.apply(x, self._parameters["weight"], self.bias, self, *fn_args)
+        return y
 
     @torch.no_grad()
     def pack(self, r0: int = 0, r1: Optional[int] = None):

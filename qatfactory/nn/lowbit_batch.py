@@ -6,7 +6,8 @@ nn/weight_cache.py keeps the other formats': every forward pass builds it with i
 SmolLM2-135M's 210 linears, ~13,000 of a step's launches), and a small model's GPU step is bound by the
 host issuing them (the H200 trained 4-bit LSQ SmolLM2 at ~0.72 s per step, ~11,000 tokens/s).
 
-Inside the trainer (``step_cache.enabled()``, :func:`register` called on the student) the linears of one
+Inside the trainer (``step_cache.enabled()``, :func:`register` called on the student by train/levers.py
+when ``train.lowbit_batch`` is on, the default) the linears of one
 format, row length K, weight dtype, device and gradient rule form a group. The first linear of a group
 that a forward pass reaches computes fq(W) of every member in one custom autograd call per chunk of up to
 ``CHUNK_ELEMS`` weights (rows concatenated; each row has its own alpha, each member its own gradient
@@ -23,11 +24,12 @@ off) serves the step epoch. Every lookup also checks the member's weight and alp
 in-place write since the entry was made recomputes it) and that the member still qualifies (learnable
 LowBitQuantizer, quantization on, no LoRA, not ZeRO-3-partitioned, the group's dtype and device). Not used
 with gradient checkpointing (the trainer does not register then: a recompute would have to rebuild the
-same saved tensors) nor outside the trainer (QF_LOWBIT_BATCH=0 turns it off there too).
+same saved tensors) nor outside the trainer (``train.lowbit_batch=false`` turns it off there too). A
+registered linear finds its group through its ``linear.WEIGHT_HOOK`` attribute (the group's ``lookup``):
+nn/linear.py does not import this module.
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Dict, List, Optional
 
@@ -35,6 +37,7 @@ import torch
 
 from ..formats import get_format
 from . import step_cache
+from .linear import WEIGHT_HOOK, QuantLinear
 from .lowbit import LowBitQuantizer, grad_scale, paretoq_grads, scales_of
 
 # weights per batched call: on a GPU 2^26 (256 MiB per float32 temporary, held by torch's caching
@@ -43,15 +46,8 @@ from .lowbit import LowBitQuantizer, grad_scale, paretoq_grads, scales_of
 CHUNK_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 22}
 _STATE = {"pass": 0}
 _GROUPS: Dict[tuple, "_Group"] = {}
-_ATTR = "_qf_lowbit_group"
+_ATTR = WEIGHT_HOOK
 _STATS = {"calls": 0, "hits": 0}
-
-
-def enabled_by_env() -> bool:
-    v = os.environ.get("QF_LOWBIT_BATCH", "1").strip().lower()
-    if v not in ("0", "1", "true", "false", "on", "off"):
-        raise ValueError(f"QF_LOWBIT_BATCH={v!r}; allowed: 1 (batch the ParetoQ grids' fake quant) or 0")
-    return v in ("1", "true", "on")
 
 
 def _key(m, now: bool = True) -> Optional[tuple]:
@@ -72,7 +68,6 @@ def _key(m, now: bool = True) -> Optional[tuple]:
 def register(model) -> int:
     """Batch the learnable low-bit linears of ``model`` while the current step_cache block lasts;
     returns how many joined a group."""
-    from .linear import QuantLinear  # noqa: PLC0415 (nn/linear.py imports this module)
     n = 0
     for m in model.modules():
         if not isinstance(m, QuantLinear):
@@ -272,4 +267,4 @@ def _cat(ts, k: int) -> torch.Tensor:
     return torch.cat([t.reshape(-1, k) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1, k)
 
 
-__all__ = ["register", "forget", "release", "new_pass", "weight", "stats", "enabled_by_env", "CHUNK_ELEMS"]
+__all__ = ["register", "forget", "release", "new_pass", "weight", "stats", "CHUNK_ELEMS"]

@@ -14,13 +14,12 @@ too (a global post-hook, registered on the first ``enabled()``).
 Outside ``enabled()`` (a user's own loop, tests, calibration), nothing is cached: every forward
 computes from the current weights, so no caller can see a stale value by accident.
 
-``enabled(weights=...)`` also decides whether fake-quantized weights are kept (default: the
-environment variable ``QF_WEIGHT_CACHE``, on unless it is ``0``); the group amax is kept either way.
+``enabled(weights=...)`` also decides whether fake-quantized weights are kept (default on; the trainer
+passes ``train.weight_cache``); the group amax is kept either way.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, List, Optional
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -48,13 +47,6 @@ def weights_cached() -> bool:
     return _STATE["enabled"] > 0 and _WEIGHTS[-1]
 
 
-def weight_cache_default() -> bool:
-    v = os.environ.get("QF_WEIGHT_CACHE", "1").strip().lower()
-    if v not in ("0", "1", "true", "false", "on", "off"):
-        raise ValueError(f"QF_WEIGHT_CACHE={v!r}; allowed: 1 (keep fake-quantized weights for the step) or 0")
-    return v in ("1", "true", "on")
-
-
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     weights_changed()
 
@@ -67,11 +59,11 @@ def _hook_optimizers() -> None:
 
 
 @contextlib.contextmanager
-def enabled(weights: Optional[bool] = None):
+def enabled(weights: bool = True):
     """Cache group statistics (and, with ``weights``, fake-quantized weights) inside this block;
-    weights_changed() marks each optimizer step. ``weights=None``: $QF_WEIGHT_CACHE (default on)."""
+    weights_changed() marks each optimizer step."""
     _hook_optimizers()
-    _WEIGHTS.append(weight_cache_default() if weights is None else bool(weights))
+    _WEIGHTS.append(bool(weights))
     _STATE["enabled"] += 1
     weights_changed()
     for f in _ON_BLOCK:

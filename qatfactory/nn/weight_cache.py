@@ -36,11 +36,10 @@ expert's -- amax). Blocks never cross a row and the per-tensor constants depend 
 this gives the same bits as one launch per tensor (tests/test_weight_cache.py on the emulator,
 tests/test_kernels_cuda.py on the kernels). The amax of all fused groups comes from one multi-tensor
 reduction. Batching runs where the CUDA kernels do (``auto``; the emulator gains nothing from it), or
-always / never (``set_batching``, $QF_WEIGHT_CACHE_BATCH).
+always / never (``set_batching``; the trainer sets ``train.weight_cache_batch``).
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Dict, List, Optional
 
@@ -62,20 +61,19 @@ _PLANS: Dict[tuple, "_Plan"] = {}
 _MODE = {"batch": None}
 
 
-def set_batching(mode: Optional[str]) -> None:
-    """``auto`` (default: where the CUDA kernels run), ``always``, ``never``; None: $QF_WEIGHT_CACHE_BATCH."""
+def set_batching(mode: Optional[str]) -> Optional[str]:
+    """``auto`` (default: where the CUDA kernels run), ``always``, ``never``; None: unset (auto). Returns
+    the previous setting (the trainer puts it back after its run)."""
     if mode is not None and mode not in BATCH_MODES:
         raise ValueError(f"weight cache batching {mode!r}; allowed: {list(BATCH_MODES)}")
+    prev = _MODE["batch"]
     _MODE["batch"] = mode
+    return prev
 
 
 def batching() -> str:
-    if _MODE["batch"] is not None:
-        return _MODE["batch"]
-    v = os.environ.get("QF_WEIGHT_CACHE_BATCH", "auto").strip().lower() or "auto"
-    if v not in BATCH_MODES:
-        raise ValueError(f"QF_WEIGHT_CACHE_BATCH={v!r}; allowed: {list(BATCH_MODES)}")
-    return v
+    m = _MODE["batch"]
+    return "auto" if m is None else m
 
 
 def stats() -> Dict[str, int]:

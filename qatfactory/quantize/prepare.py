@@ -6,7 +6,7 @@ import warnings
 from torch import nn
 
 from ..formats import get_format, list_formats
-from ..nn import kquant_refresh
+from ..nn import kept_scales
 from ..nn import kv_cache as KV  # the KV cache in the loop (nn/kv_cache.py)
 from ..nn.embedding import QuantEmbedding, tie_head
 from ..nn.experts import (
@@ -121,7 +121,7 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> nn.Module:
                 m.grad_rule = cfg.lowbit_grad
         _init_scale_state(model, "max")
         if cfg.kquant_refresh_every > 1:     # k-quant scales kept between searches
-            kquant_refresh.attach_all(model, cfg.kquant_refresh_every)
+            kept_scales.attach_all(model, cfg.kquant_refresh_every)
         if cfg.kv_format is not None:     # K/V fake quant in every attention layer
             undo.append(("kv", model, None, None))
             cfg.kv_attention = cfg.resolved_kv_attention()     # saved as trained: a later default cannot change it

@@ -28,7 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
 from ..exitcodes import BadInputError, UsageError
+from ..kernels import NVFP4_KERNELS
 from ..nn.scale_adapter import ScaleAdapterConfig
+from ..nn.weight_cache import BATCH_MODES as WEIGHT_CACHE_BATCH
 from ..quantize import QuantConfig
 from . import compose_checks as CC
 from . import methods as M
@@ -161,6 +163,15 @@ class TrainConfig:
     # less activation memory, the same bits (nn/lean_act.py): RMSNorms keep their bf16 input and the MLP
     # its gate and up outputs, recomputing the rest in the backward (a few launches per layer)
     lean_act: bool = False
+    # the per-step fake-quant levers (train/levers.py; the same bits either way): weight_cache keeps fq(W)
+    # for the optimizer step (nn/weight_cache.py; one more copy of the quantized weights in memory);
+    # weight_cache_batch fills it in one launch per format and row length: auto (where the CUDA kernels
+    # run) | always | never; lowbit_batch fake-quantizes the ParetoQ grids' learnable linears a few calls
+    # per forward (nn/lowbit_batch.py); nvfp4_kernel picks the NVFP4 CUDA kernel (qatfactory/kernels)
+    weight_cache: bool = True
+    weight_cache_batch: str = "auto"
+    lowbit_batch: bool = True
+    nvfp4_kernel: str = "auto"
 
 
 @dataclass
@@ -237,6 +248,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.zero_stage", t.zero_stage, (0, 1, 2, 3))
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    for fld in ("weight_cache", "lowbit_batch"):
+        if not isinstance(getattr(t, fld), bool):
+            raise ValueError(f"train.{fld}={getattr(t, fld)!r}; allowed: true or false")
+    _choice("train.weight_cache_batch", t.weight_cache_batch, WEIGHT_CACHE_BATCH)
+    _choice("train.nvfp4_kernel", t.nvfp4_kernel, NVFP4_KERNELS)
     if t.grad_accum_dtype is not None:
         _choice("train.grad_accum_dtype", t.grad_accum_dtype, ("fp32",))
         if t.precision != "bf16" or t.zero_stage < 1:

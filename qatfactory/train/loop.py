@@ -35,9 +35,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _fsutil
-from ..nn import kquant_refresh, lean_act, lowbit_batch, step_cache
 from . import checkpoint as ckpt
-from . import ds_step, rundir, runlock
+from . import levers, rundir, runlock
 from . import runtime as R
 from .config import NO_QUANT, RunConfig, is_validated, to_dict, validate
 from .methods import Context, Method, Student, get_method
@@ -54,12 +53,13 @@ def run(cfg: RunConfig, eval_only: bool = False) -> Dict[str, Any]:
     if not is_validated(cfg):
         cfg = validate(cfg)
     method = get_method(cfg.method.name)
-    # fused-group amax etc. computed once per optimizer step (weights_changed() after each)
-    with runlock.held(), step_cache.enabled():   # the run directory stays locked to this process
-        return _run(cfg, method, eval_only)
+    # the step levers of the run (train/levers.py): switched from cfg, undone when the run ends
+    lv = levers.Levers(cfg, training=method.needs.trains and not eval_only)
+    with runlock.held(), lv:   # the run directory stays locked to this process
+        return _run(cfg, method, eval_only, lv)
 
 
-def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
+def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> Dict[str, Any]:
     import deepspeed  # noqa: PLC0415 (optional: deepspeed)
     t, m = cfg.train, cfg.method
     device = R.resolve_device(t.device)
@@ -75,7 +75,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
 
     # -- the student and its data
     ctx = Context(cfg=cfg, rank=rank, world=world, device=dev, run_dir=run_dir, resumed=resume_from is not None,
-                  eval_only=eval_only)
+                  eval_only=eval_only, levers=lv)
     method.build(ctx)
     method.data(ctx)
     # the teacher the method trains from, or one loaded only to report KL and top-1 agreement
@@ -84,8 +84,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
     method.prepare(ctx)
     model = ctx.model
     quantized = cfg.quant.weight_format not in NO_QUANT
-    if t.lean_act:
-        lean_act.register(model)      # less activation memory, the same bits (nn/lean_act.py)
+    lv.install(model)                 # before DeepSpeed wraps it (lean_act: less activation memory, same bits)
     if t.grad_ckpt:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -119,26 +118,21 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, sched)
     engine, *_ = deepspeed.initialize(model=module, config=dcfg, **kw)
     ctx.engine = engine
-    step_cache.weights_changed()     # DeepSpeed may have cast / moved / partitioned the weights
-    if train_now and t.lean_step:
-        # DeepSpeed's bf16 ZeRO-0 step without its per-parameter host work (same bits; ds_step.py)
-        ds_step.install(engine, world)
+    # DeepSpeed may have cast / moved / partitioned the weights; then the lean step and low-bit batching
+    lv.attach(engine, world)
 
     def reset_optimizer():
         R.reset_optimizer(engine)
-        step_cache.weights_changed()
+        lv.weights_changed()
 
     if train_now and t.fresh_adam and R.optimizer_stepped(engine):
         reset_optimizer()             # the first update is AdamW's step 1 (config.py: fresh_adam)
-    if quantized and not t.grad_ckpt and lowbit_batch.enabled_by_env():
-        # the ParetoQ grids' learnable fake quant in a few calls per forward instead of one per linear
-        lowbit_batch.register(model)
 
     logger_start = 0
     st: Dict[str, Any] = {}
     if resume_from is not None:
         st = ckpt.load(engine, resume_from, rank)
-        step_cache.weights_changed()
+        lv.weights_changed()
         ctx.step, ctx.position, ctx.history = st["step"], st["position"], st.get("eval_history", [])
         logger_start = ctx.step
     history = ctx.history
@@ -162,7 +156,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
         return r
 
     def call(*args, **kw):
-        lowbit_batch.new_pass()
+        lv.forward()
         return engine(*args, **kw)
 
     def forward(b, tout):
@@ -192,7 +186,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
             lr_now = float(engine.get_lr()[0])
             # quant.kquant_refresh_every > 1: the k-quant scale search runs on steps 0, K, 2K, ... only;
             # evaluations and exports (outside this block) always run it (nn/kquant_refresh.py)
-            with kquant_refresh.training_step(model, ctx.step):
+            with lv.step(ctx.step):
                 for b in method.micro_batches(ctx):
                     loss = method.train_step(ctx, b)
                     # the chunked loss took its gradients in forward: the teacher (and its gathered
@@ -203,7 +197,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool) -> Dict[str, Any]:
                     boundary = engine.is_gradient_accumulation_boundary()
                     engine.step()
                     if boundary:
-                        step_cache.weights_changed()
+                        lv.weights_changed()
                     loss_sum += loss.detach().double()      # stays on the device: one host sync per step
                     micro += 1
             method.after_step(ctx)

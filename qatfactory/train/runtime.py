@@ -17,7 +17,7 @@ import torch.nn as nn
 from .. import assets
 from .._inputs import check_model_config
 from ..exitcodes import CorruptFileError, UsageError
-from . import ds_step
+from . import levers
 from .data import load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -207,7 +207,7 @@ def ds_config(cfg, device: str, with_optimizer: bool, grad_accum: Optional[int] 
     if t.zero_stage == 3:
         d["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
     # DeepSpeed's throughput timer syncs the device twice a step (off unless train.ds_timers)
-    d.update(ds_step.ds_config(t))
+    d.update(levers.ds_config(t))
     if t.grad_accum_dtype is not None:
         # bf16 weights with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (ZeRO-1 and up)
         d["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
