@@ -14,6 +14,7 @@ Training overrides are Hydra's (``group=option``, ``a.b=value``); recipes/ lists
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import runpy
@@ -95,6 +96,39 @@ def _cfg_flag(argv: List[str]):
     return out, show, None
 
 
+def _method_help(argv: List[str]) -> int:
+    """The registered methods (plugins=[...] on the command line imported first), and for
+    ``method=<name>`` the options it registered, one per line with type and default."""
+    from .train import methods as M  # noqa: PLC0415 (CLI start)
+    from .train.config import method_options  # noqa: PLC0415 (CLI start)
+    try:
+        for a in argv:
+            if a.startswith("plugins="):
+                M.load_plugins([x.strip() for x in a.split("=", 1)[1].strip("[]").split(",") if x.strip()])
+    except ValueError as e:
+        print(f"qatfactory train: USAGE: {e}", file=sys.stderr)
+        return X.USAGE
+    print("\nmethods (method=<name>; its own options, `qatfactory train method=<name> --help`):")
+    for name, cls in M.REGISTRY.items():
+        own = f"method.{cls.options_key}.*" if cls.options_key else ("method.options.*" if cls.options else "-")
+        print(f"  {name}: {cls.summary} [{own}]")
+    asked = [a.split("=", 1)[1] for a in argv if a.startswith("method=")]
+    for name in asked:
+        cls = M.REGISTRY.get(name)
+        if cls is None:
+            print(f"qatfactory train: USAGE: method={name}: no such method; registered: {M.method_names()}",
+                  file=sys.stderr)
+            return X.USAGE
+        text = method_options(cls.options_key) if cls.options_key else ""
+        if not text and cls.options is not None:
+            text = "method.options: " + "; ".join(f.name for f in dataclasses.fields(cls.options))
+        head, _, rest = (text or f"method={name}: no options of its own").partition(": ")
+        print(f"\n{head}:")
+        for item in rest.split("; ") if rest else []:
+            print(f"  {item}")
+    return 0
+
+
 def train_main(argv: List[str]) -> int:
     """Exit codes (qatfactory.exitcodes): 0 done (and the export's gate PASSed), 1 the gate FAILed,
     2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
@@ -106,7 +140,7 @@ def train_main(argv: List[str]) -> int:
               "--cfg job: print the composed settings and exit without running\n\nrecipe groups:")
         for g in sorted(p for p in r.iterdir() if p.is_dir()):
             print(f"  {g.name}: {', '.join(sorted(x.stem for x in g.glob('*.yaml')))}")
-        return 0
+        return _method_help(argv)
     argv, show, err = _cfg_flag(argv)
     if err:
         print(f"qatfactory train: USAGE: {err}", file=sys.stderr)
@@ -212,7 +246,7 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
 
     from .train import checkpoint as ckpt  # noqa: PLC0415 (CLI start)
-    from .train.config import RunConfig, validate  # noqa: PLC0415 (CLI start)
+    from .train.config import run_schema, validate  # noqa: PLC0415 (CLI start)
     why = ckpt.incomplete(path) if path.is_dir() else f"{path} is not a directory"
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
@@ -233,7 +267,10 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
         # a run composed when random tokens won over data.train: it trained on random tokens, evaluate on them
         d["data"] = {**dd, "train": []}
     try:
-        node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
+        if given:     # their methods' option blocks are part of the schema the settings are read with
+            from .train.methods import load_plugins  # noqa: PLC0415 (CLI start)
+            load_plugins(list(OmegaConf.from_dotlist(given[-1:]).get("plugins") or []))
+        node = OmegaConf.merge(OmegaConf.structured(run_schema()), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))
     except ValueError as e:
         raise UsageError(f"qatfactory eval: {e}") from None

@@ -121,3 +121,31 @@ def test_a_plugin_methods_options_are_checked_against_its_schema():
         compose(["plugins=[toy_method]", "method=toy_sft", "+method.options.label_smoothing=much"])
     with pytest.raises(UsageError, match=r"method=qat takes no free options"):
         compose(["method=qat", "+method.options.x=1"])
+
+
+def test_a_plugin_registers_a_typed_options_block_named_in_errors_and_help(text, tmp_path):
+    # the options dataclass registered with the method becomes method.toy in the schema: set like any
+    # field, a wrong key or type is refused naming every option, --help lists them, and the run trains with it
+    from qatfactory.exitcodes import UsageError
+    from qatfactory.train.config import compose
+    from qatfactory.train.methods import get_method
+    import toy_method  # noqa: F401  (registers toy_keyed in this process)
+    cfg = compose(["plugins=[toy_method]", "method=toy_keyed", "method.toy.label_smoothing=0.2"], check_files=False)
+    assert get_method("toy_keyed").opts(cfg).label_smoothing == 0.2
+    allowed = "allowed: method.toy (method toy_keyed): label_smoothing: float = 0.0; note: str = ''"
+    for bad in ("method.toy.nope=1", "method.toy.label_smoothing=much"):
+        with pytest.raises(UsageError) as e:
+            compose(["plugins=[toy_method]", "method=toy_keyed", bad], check_files=False)
+        assert allowed in str(e.value), str(e.value)
+    n = _cli("train", "method=qad", "method.toy.note=x", "--cfg", "job")      # no plugin imported: no block
+    assert n.returncode == 3 and "Key 'toy' not in 'MethodConfig'" in n.stderr, n.stderr[-1000:]
+    h = _cli("train", "plugins=[toy_method]", "method=toy_keyed", "--help")
+    assert h.returncode == 0 and "toy_keyed: toy SFT whose options" in h.stdout and "[method.toy.*]" in h.stdout
+    assert "method.toy (method toy_keyed):\n  label_smoothing: float = 0.0\n  note: str = ''" in h.stdout, h.stdout
+    p = _cli("train", "plugins=[toy_method]", "method=toy_keyed", "method.toy.label_smoothing=0.1",
+             *_common(text, tmp_path / "k"), "train.max_steps=2")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "toy_sft: 2 loss calls" in p.stdout
+    assert json.loads((tmp_path / "k" / "summary.json").read_text())["method"] == "toy_keyed"
+    import yaml
+    assert yaml.safe_load((tmp_path / "k" / "config.yaml").read_text())["method"]["toy"]["label_smoothing"] == 0.1

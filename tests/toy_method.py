@@ -33,3 +33,17 @@ class ToySFT(Method):
     def end(self, ctx):
         ctx.say(f"toy_sft: {self.calls} loss calls")
         return False
+
+
+@dataclass
+class ToyBlock:                       # method.toy.* : a typed block in the run's schema, like method.rl
+    label_smoothing: float = 0.0
+    note: str = ""
+
+
+@register
+class ToyKeyed(ToySFT):
+    name = "toy_keyed"
+    summary = "toy SFT whose options are a block of the run's schema"
+    recipe = {"method": {"name": "toy_keyed", "eval_teacher": False, "loss": {"kind": "ce"}}, "train": {"lr": 1e-3}}
+    options, options_key = ToyBlock, "toy"

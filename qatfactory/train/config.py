@@ -29,7 +29,6 @@ from .._recipes import recipes_dir
 from ..distill.losses import LossConfig
 from ..exitcodes import BadInputError, UsageError
 from ..kernels import NVFP4_KERNELS
-from ..nn.scale_adapter import ScaleAdapterConfig
 from ..nn.weight_cache import BATCH_MODES as WEIGHT_CACHE_BATCH
 from ..quantize import QuantConfig
 from . import compose_checks as CC
@@ -39,7 +38,6 @@ from .methods import (
     NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
     quant_start,
 )
-from .rl.losses import RLConfig
 
 TEACHERS = ("live", "cached")
 SCHEDULES = ("constant", "cosine")
@@ -89,9 +87,11 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """The settings every method reads (name: a registered method, train/methods/), and the option
-    blocks of the methods that have their own: ``rl`` (grpo, dapo), ``scale`` (scale_adapter),
-    ``options`` (a plugin method's, checked against its own schema)."""
+    """The settings every method reads (name: a registered method, train/methods/). A method with
+    options of its own registers their dataclass with itself (Method.options, Method.options_key): the
+    run's schema (:func:`run_schema`) then holds it at ``method.<options_key>`` (grpo / dapo:
+    ``method.rl``, scale_adapter: ``method.scale``); ``options`` is the free block of a method that
+    names no key (checked against its dataclass by the method)."""
 
     name: str = "qad"
     loss: LossConfig = field(default_factory=LossConfig)
@@ -103,8 +103,6 @@ class MethodConfig:
     calibrate: bool = True
     calib_samples: int = 8
     eval_teacher: bool = True         # qat/ptq: load the teacher to report KL/top-1 (off: CE/ppl only)
-    rl: RLConfig = field(default_factory=RLConfig)   # grpo / dapo (train/methods/grpo.py)
-    scale: ScaleAdapterConfig = field(default_factory=ScaleAdapterConfig)  # scale_adapter (train/methods/scale_adapter.py)
     options: Dict[str, Any] = field(default_factory=dict)   # a plugin method's options (Method.options)
 
 
@@ -194,6 +192,47 @@ class RunConfig:
     run_dir: Optional[str] = None     # default: runs/<method>-<format>-<time>
     resume: Optional[str] = None      # "auto" (latest in run_dir) or a checkpoint directory
     plugins: List[str] = field(default_factory=list)   # modules imported first: they register methods
+
+
+_SCHEMAS: Dict[tuple, type] = {}
+
+
+def run_schema() -> type:
+    """The RunConfig class of the methods registered now: ``method`` gains one typed block per method
+    that registered options under a key (``method.rl``, ``method.scale``, a plugin's own), so a wrong
+    key or type there is named while composing, like any other field."""
+    blocks = {}
+    for cls in M.REGISTRY.values():
+        if cls.options is not None and cls.options_key:
+            have = blocks.setdefault(cls.options_key, cls.options)
+            if have is not cls.options:
+                raise ValueError(f"method {cls.name!r}: options key method.{cls.options_key} is already "
+                                 f"{have.__module__}.{have.__qualname__}'s")
+    sig = tuple(sorted((k, id(v)) for k, v in blocks.items()))
+    if sig not in _SCHEMAS:
+        method_cls = dataclasses.make_dataclass(
+            "MethodConfig", [(k, v, field(default_factory=v)) for k, v in sorted(blocks.items())], bases=(MethodConfig,))
+        method_cls.__module__ = __name__
+        run_cls = dataclasses.make_dataclass(
+            "RunConfig", [("method", method_cls, field(default_factory=method_cls))], bases=(RunConfig,))
+        run_cls.__module__ = __name__
+        _SCHEMAS[sig] = run_cls
+    return _SCHEMAS[sig]
+
+
+def method_options(key: str) -> str:
+    """``name: type = default`` of each field of the options registered at method.<key> (an error names them)."""
+    for cls in M.REGISTRY.values():
+        if cls.options_key == key and cls.options is not None:
+            users = [c.name for c in M.REGISTRY.values() if c.options_key == key]
+            fields = []
+            for f in dataclasses.fields(cls.options):
+                d = f.default if f.default is not dataclasses.MISSING else (
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else "?")
+                t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+                fields.append(f"{f.name}: {t} = {d!r}")
+            return f"method.{key} (method {', '.join(users)}): " + "; ".join(fields)
+    return ""
 
 
 def _choice(fld: str, v, allowed):
@@ -345,13 +384,20 @@ def _override_message(e: BaseException) -> str:
             return (f"method={name}: no such method; registered: {M.method_names()} (a method outside the package: "
                     f"plugins=[your.module] imports the module that registers it)")
         return f"{group}={name}: no such recipe; allowed: {opts}" if opts else head
+    text = head
+    key = None
     if cause is not None and str(cause).strip():
         c = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
         key = next((ln.split(":", 1)[1].strip() for ln in c if ln.startswith("full_key:")), None)
         detail = c[0]
         text = head if detail in head else (detail if head in detail else f"{head}: {detail}")
-        return text + (f" (field {key})" if key and key not in text else "")
-    return head
+        text += f" (field {key})" if key and key not in text else ""
+    m = re.search(r"method\.([A-Za-z_]\w*)\.", f"{key or ''} {msg}")
+    if m and m.group(1) not in ("loss", "options"):
+        allowed = method_options(m.group(1))
+        if allowed:
+            text += f"; allowed: {allowed}"
+    return text
 
 
 def _plugin_recipes(overrides: List[str]) -> None:
@@ -368,6 +414,8 @@ def _plugin_recipes(overrides: List[str]) -> None:
         if name not in files:
             cs.store(group="method", name=name, package="_global_",
                      node=cls.recipe if cls.recipe is not None else {"method": {"name": name}})
+    # the schema of the methods registered now (a plugin's typed options block included)
+    cs.store(name="run_schema", node=run_schema())
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config", check_files: bool = True) -> RunConfig:
@@ -385,7 +433,7 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config", 
         overrides, asked_synthetic = CC.data_selection(list(overrides or []))
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             node = hcompose(config_name=config_name, overrides=overrides)
-        schema = OmegaConf.structured(RunConfig)
+        schema = OmegaConf.structured(run_schema())
         OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
         OmegaConf.set_struct(schema.method.options, False)   # a plugin's options: checked by its own schema
         node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
@@ -465,5 +513,5 @@ def to_overrides(cfg: RunConfig, groups: List[str]) -> List[str]:
 
 
 def from_dict(d: Dict[str, Any]) -> RunConfig:
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(d))
+    node = OmegaConf.merge(OmegaConf.structured(run_schema()), OmegaConf.create(d))
     return validate(OmegaConf.to_object(node))
