@@ -74,3 +74,29 @@ def test_killed_and_resumed_two_ranks_equals_uninterrupted(tmp_path, arm):
         assert torch.equal(ta[k], tb[k]), k
     sr, sk = (json.loads((d / "summary.json").read_text()) for d in (ref, killed))
     assert sk["eval_last"] == sr["eval_last"] and sk["world_size"] == WORLD and sk["steps"] == 4
+
+
+@pytest.mark.parametrize("arm", ["grpo", "scale_adapter"])
+def test_eval_only_of_a_checkpoint_reproduces_the_runs_last_evaluation(tmp_path, arm):
+    # `qatfactory eval --checkpoint`: the run's final checkpoint evaluated alone gives the numbers the run
+    # logged at its end, and writes only its own result file
+    from qatfactory.cli import eval_main
+    from qatfactory.train import compose, run
+    over = [a for a in (GRPO if arm == "grpo" else SCALE) + ["train.max_steps=2", "train.plots=false"]]
+    if arm == "scale_adapter":
+        b = MB.native_base(tmp_path)
+        over += [f"model.path={b / 'base'}", f"data.train=[{b / 'data.txt'}]"]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s = run(compose(over + [f"run_dir={tmp_path / 'r'}"]))
+        s.pop("engine").destroy()
+        ck = tmp_path / "r" / "checkpoints" / "step-000002"
+        before = sorted(p.name for p in (tmp_path / "r").iterdir())
+        assert eval_main(["--checkpoint", str(ck)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    e = json.loads((tmp_path / "r" / "eval-step-000002.json").read_text())
+    keys = [k for k in s["eval_last"] if k.startswith("eval/")]
+    assert keys and {k: e["eval_last"][k] for k in keys} == {k: s["eval_last"][k] for k in keys}
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(before + ["eval-step-000002.json"])
