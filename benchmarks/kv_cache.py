@@ -1,4 +1,4 @@
-"""The KV cache in the loop (issue 22), one command: held-out KL and perplexity of PTQ and QAD students
+"""The KV cache in the loop, one command: held-out KL and perplexity of PTQ and QAD students
 with a bf16 vs an FP8 vs an NVFP4 KV cache, at two sequence lengths, plus the engine checks a GPU can run.
 
     python benchmarks/kv_cache.py --out runs/kv                 # the H200 run (SmolLM2-135M-Instruct)

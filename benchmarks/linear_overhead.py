@@ -1,4 +1,4 @@
-"""Host time of one QuantLinear call (forward + backward) on the CPU, against nn.Linear (issue 17).
+"""Host time of one QuantLinear call (forward + backward) on the CPU, against nn.Linear.
 
     python benchmarks/linear_overhead.py [--reps 2000] [--out benchmarks/results/linear_overhead.json]
 

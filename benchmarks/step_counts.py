@@ -1,10 +1,10 @@
-"""Where a training step's host work goes, counted on a CPU (issue 17): launches and host reads per phase.
+"""Where a training step's host work goes, counted on a CPU: launches and host reads per phase.
 
 The H200 profile of benchmarks/step.py says our steps are host-bound (the GPU idle 24-54 ms per step,
 4,158 launches per bf16 SFT step against 2,465 for a plain fp32-master loop). A launch is an aten op the
 host issues, and a host read (``.item()``, ``bool(t)``, ``.cpu()``, ``.tolist()``, a device synchronize)
 stops the host until the GPU has drained its queue; both can be counted without a GPU, per phase of the
-step, in the real trainer run as step.py configures it (benchmarks/lowbit_step.py's method, issue 19):
+step, in the real trainer run as step.py configures it (benchmarks/lowbit_step.py's method):
 
     python benchmarks/step_counts.py                       # the table (SFT, QAT W4A16, W4A4, live QAD, peer)
     python benchmarks/step_counts.py --variants "SFT" --json out.json

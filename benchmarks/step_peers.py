@@ -1,4 +1,4 @@
-"""The peers' training steps, on the same random model and batch as benchmarks/step.py (issue 17).
+"""The peers' training steps, on the same random model and batch as benchmarks/step.py.
 
 Each row is a plain PyTorch loop written out here (no qatfactory code in it), so what it measures is
 the peer, not us:

@@ -1,4 +1,4 @@
-"""Where a training step's time goes: GPU busy time against the wall clock, per optimizer step (issue 17).
+"""Where a training step's time goes: GPU busy time against the wall clock, per optimizer step.
 
     with StepProfile(skip=12, steps=3, device="cuda") as sp:
         run_training()                    # anything that steps a torch.optim optimizer

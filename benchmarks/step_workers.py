@@ -1,4 +1,4 @@
-"""Persistent workers for benchmarks/step.py: every variant runs many times in one GPU call (issue 17).
+"""Persistent workers for benchmarks/step.py: every variant runs many times in one GPU call.
 
 A variant through the trainer costs 15-25 s of process start (imports, DeepSpeed, FusedAdam's load)
 before its first step; the table needs every variant run several times, interleaved. So the parent

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/scaling.sh smoke: the multi-GPU scaling script (issue 23) end to end on CPU (gloo) with
+"""benchmarks/gpu/scaling.sh smoke: the multi-GPU scaling script end to end on CPU (gloo) with
 tiny shapes of both of its models, so it cannot rot while no multi-GPU machine runs it: a Llama under
 ZeRO-2 on one rank and a random Qwen3-MoE (written as a local HF directory by the script) under ZeRO-3
 on two ranks with the torch.profiler launch, then the report. Nothing about speed is asserted."""

@@ -1,4 +1,4 @@
-"""The fused chunks of lm_loss (distill/losses.py, issue 17): forward KL (live or top-k teacher, with CE at
+"""The fused chunks of lm_loss (distill/losses.py): forward KL (live or top-k teacher, with CE at
 temperature 1) and CE computed with a closed-form logits gradient instead of autograd. The loss is the
 autograd path's, bit for bit; the gradients agree to fp32 rounding and are at least as close to float64
 as autograd's (so the fused chunk is the default); at most three [chunk, V] float buffers live at once,

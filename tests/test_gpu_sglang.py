@@ -1,4 +1,4 @@
-"""SGLang on the H200 (benchmarks/gpu/carry_plan.py, engines_sglang.py, engines.py's SGLang rows; issue 16):
+"""SGLang on the H200 (benchmarks/gpu/carry_plan.py, engines_sglang.py, engines.py's SGLang rows):
 everything of it that runs without a GPU or SGLang. The carry plan (parts fill the room the vLLM calls
 leave, every call under 64 MiB), the bundle's split/reassembly and the tampering it must catch, the
 parsing of SGLang's prompt log-probabilities into vLLM's layout, the per-model orchestration (records,

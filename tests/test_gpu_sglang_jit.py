@@ -1,5 +1,5 @@
 """SGLang's JIT kernels on the H200 (benchmarks/gpu/sglang_jit.py, stage.sh slim-wheel / stage-jit, the warm-up
-in engines_sglang.py; issue 16): what the carried FlashInfer keeps for the one FlashInfer JIT module SGLang
+in engines_sglang.py): what the carried FlashInfer keeps for the one FlashInfer JIT module SGLang
 builds on our path (`norm`, whose missing norm.cu failed the first H200 run, 2026-12-01), and the built
 caches carried between sessions, which must be refused when another torch/nvcc/GPU built them.
 

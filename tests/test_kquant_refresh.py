@@ -1,4 +1,4 @@
-"""quant.kquant_refresh_every (issue 17): the k-quant scale search every K optimizer steps.
+"""quant.kquant_refresh_every: the k-quant scale search every K optimizer steps.
 
 Oracles: libggml-python 0.20.2 (``ggml_quantize_chunk``: llama.cpp's own quantizer, imatrix path) for
 the scales a search keeps, gguf 0.19 ``gguf.quants.dequantize`` for the decode of bytes assembled from

@@ -1,4 +1,4 @@
-"""quant.kquant_refresh_every=4 through the trainer (issue 17): the search runs on steps 0 and 4 only, the
+"""quant.kquant_refresh_every=4 through the trainer: the search runs on steps 0 and 4 only, the
 export of the trained student passes the parity gate (llama.cpp's own runtime included) and holds
 llama.cpp's quantization of the final weights, and a resume in the middle of a block, across the next
 refresh, is bit-exact (the kept scales are checkpointed with the module state).

@@ -1,4 +1,4 @@
-"""benchmarks/kv_decorrelation.py (issue 22): the perturbation reaches only forward B, the FP8 cache only the
+"""benchmarks/kv_decorrelation.py: the perturbation reaches only forward B, the FP8 cache only the
 *8 forwards, so with eps = 0 the two FP8 forwards are identical and with eps > 0 they differ."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/step.py and step_peers.py (issue 17): the peers' plain loops run (a CPU-sized smoke, which
+"""benchmarks/step.py and step_peers.py: the peers' plain loops run (a CPU-sized smoke, which
 measures nothing), the table and the goal ratios come out of the rows, and the peers train the same
 model shape as our rows."""
 import json

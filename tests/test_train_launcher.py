@@ -1,7 +1,7 @@
 """`deepspeed --num_gpus 2 -m qatfactory.train` on CPU (gloo): ZeRO-3 over two ranks, with a quantized
 student and a ZeRO-3 partitioned live teacher, agrees with one process without ZeRO (same global batch).
 
-The multi-node path (issue 23) as far as one host allows: DeepSpeed's own launcher started once per
+The multi-node path as far as one host allows: DeepSpeed's own launcher started once per
 "node" from a hostfile of two hosts with one slot each, ``--no_ssh --node_rank N --master_addr
 127.0.0.1`` (what each node runs itself where pdsh/ssh fan-out is not used: Kubernetes, a batch
 scheduler). Both groups meet over loopback; the world is the same as the one-group launch, and the

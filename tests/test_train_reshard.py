@@ -1,4 +1,4 @@
-"""Checkpoint on N ranks, resume on M != N (issue 23): 2 -> 1 and 1 -> 2 ranks on CPU (gloo), ZeRO-0/2/3
+"""Checkpoint on N ranks, resume on M != N: 2 -> 1 and 1 -> 2 ranks on CPU (gloo), ZeRO-0/2/3
 (2 -> 1 also ZeRO-2 in bf16).
 
 NVFP4 W4A4 with learnable (LSQ) weight scales and a live teacher, 4 steps with a checkpoint at step 2.
@@ -32,7 +32,7 @@ import torch
 from rank_launch import launch, losses
 from test_train import _run
 
-# method.loss.fused=false: the fused KL/CE chunks (issue 17) reduce in an order that depends on the per-rank
+# method.loss.fused=false: the fused KL/CE chunks reduce in an order that depends on the per-rank
 # batch, so a run that changes its world size continues within fp32 rounding, not bit for bit; the
 # unfused loss keeps the bit-for-bit claim this file makes (measured after the merge: the 1 -> 2 ZeRO-2
 # resume's fp32 masters differed in the last bits with fused chunks, equal without)

@@ -1,4 +1,4 @@
-"""Quantized resume is bit-exact on CPU over two gloo ranks (issue 12, item 7).
+"""Quantized resume is bit-exact on CPU over two gloo ranks.
 
 NVFP4 W4A4 with a learnable (LSQ) weight scale, a live and a cached teacher, ZeRO-0 and ZeRO-2: an
 uninterrupted 2-rank run of 6 steps against a 2-rank run that is killed with SIGKILL right after its

@@ -1,4 +1,4 @@
-"""The per-step weight cache (nn/weight_cache.py, issue 17): training with fq(W) kept for the optimizer
+"""The per-step weight cache (nn/weight_cache.py): training with fq(W) kept for the optimizer
 step gives, bit for bit, the losses, gradients and evaluation logits of the per-forward path, across
 optimizer steps with gradient accumulation, for NVFP4 / MXFP4 / Q4_K_M, W4A16 and W4A4, dense and MoE,
 both autograd paths (F.linear on the emulator, the recompute-in-backward path of the CUDA kernels) and

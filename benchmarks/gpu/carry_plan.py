@@ -1,4 +1,4 @@
-"""Which staged files each device call carries (benchmarks/gpu/stage.sh `plan`, `pack-sglang`; issue 16).
+"""Which staged files each device call carries (benchmarks/gpu/stage.sh `plan`, `pack-sglang`).
 
 A device call carries the working tree plus at most 8 named paths, 64 MiB in all. The vLLM stack and
 SmolLM2 already need six calls whose groups leave room; SGLang's bundle (one tar of wheels) is cut into

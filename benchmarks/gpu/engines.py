@@ -1,4 +1,4 @@
-"""vLLM and SGLang themselves load and serve our safetensors exports (engines.sh runs this; issue 16).
+"""vLLM and SGLang themselves load and serve our safetensors exports (engines.sh runs this).
 
 Phases, each in its own process and Python path, because the engines pin other versions of shared
 packages (compressed-tensors 0.17.0 against our 0.20.1, SGLang's transformers 5.12.1 against 5.17):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py; issue 16).
+# vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py).
 #
 # Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 4 parts, SmolLM2 GGUF parts)
 #              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)

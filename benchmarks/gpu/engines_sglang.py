@@ -1,4 +1,4 @@
-"""SGLang itself loads and serves one NVFP4 export on the H200 (engines.py's ``sglang`` phases; issue 16).
+"""SGLang itself loads and serves one NVFP4 export on the H200 (engines.py's ``sglang`` phases).
 
 Runs in SGLang's own Python path (PYTHONPATH=/tmp/sgsite, staged by stage.sh ``install-sglang``), one model
 per process, the same way engines.py runs vLLM, and writes the same record (``W/<cell>/sglang.json`` + a

@@ -1,4 +1,4 @@
-"""Where the LoRA-memory probe's unexplained 'other' comes from (issue 21), on a GPU: the smoke model's probe of every
+"""Where the LoRA-memory probe's unexplained 'other' comes from, on a GPU: the smoke model's probe of every
 arm (benchmarks/papers/lora_memory.py, config ii) with torch's allocator history on, then every allocation of at
 least MIN_MIB made during each probe, with its size, whether it was freed before the probe ended, and the Python
 frames that asked for it. Measures nothing about LoRA; it names the allocations the parts do not count.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The method and paper benchmarks on the H200, as few device calls as the carrying allows (issues 17-22).
+# The method and paper benchmarks on the H200, as few device calls as the carrying allows.
 #
 # Here, once: bash benchmarks/gpu/stage.sh pack   (wheels in .whl, SmolLM2 GGUF parts + assets in .gpu)
 # Device calls, back to back (the machine stays warm ~30 s between calls):
@@ -13,7 +13,7 @@
 # Each job runs under its own timeout (T_<JOB>, seconds), so one failure never costs the others; its
 # tables, plots and log are copied into $OUT/<job>/ (students and exports stay under $WORK).
 #
-# ParetoQ (issue 19): one bit width, arm or (width, seed) per job, each inside one 600 s call; a job writes
+# ParetoQ: one bit width, arm or (width, seed) per job, each inside one 600 s call; a job writes
 # only its rows (<job>/paretoq_*.json + its log: 2 of the call's 8 files) and the tables are merged here.
 # Minutes are ESTIMATES (2026-12-01, no GPU run since issue 19's fix): steps x 0.09-0.27 s per SmolLM2 step
 # (host-bound: benchmarks/lowbit_step.py counts ~9,100 launches and ~12 host reads per step after the fix,

@@ -1,13 +1,13 @@
 """One GPU pipeline for two acceptance runs, sized for ~6 minutes on 2 H200s (run.sh stage ``pipeline``).
 
-Part 1 (issue 5): ``deepspeed --num_gpus N -m qatfactory.train`` ZeRO-3 QAD (live bf16 teacher,
+Part 1: ``deepspeed --num_gpus N -m qatfactory.train`` ZeRO-3 QAD (live bf16 teacher,
 nvfp4_w4a16) of a ~1.1B random Llama-shaped model (hidden 2048, 16 layers, vocab 32000, untied) on
 synthetic tokens, seq 2048. Launch 1 runs all N steps and checkpoints at step k; launch 2 resumes
 from that checkpoint into another run directory and finishes. The losses of steps k+1..N of the two
 launches are compared (max abs difference, reported, not demanded to be zero on GPU), then the final
 student is exported (vLLM ModelOpt NVFP4, llama.cpp GGUF) and ``qatfactory verify`` checks each export.
 
-Part 2 (issue 7): SmolLM2-135M-Instruct from its packaged GGUF, carried in ``split -b`` parts
+Part 2: SmolLM2-135M-Instruct from its packaged GGUF, carried in ``split -b`` parts
 (``smollm2.gguf.part-aa`` ...) found in ``.gpu/`` and ``/tmp/qf-parts/`` (earlier calls may have
 stashed some there), reassembled and checked against the sha256 of the asset's provenance record,
 turned into a local HF directory by ``qatfactory.assets.prepare_model_dir``; the Wikipedia split is

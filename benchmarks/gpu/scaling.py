@@ -1,4 +1,4 @@
-"""Strong and weak scaling of live-teacher QAD (NVFP4 W4A16) across GPUs under ZeRO-3 / ZeRO-2 (issue 23).
+"""Strong and weak scaling of live-teacher QAD (NVFP4 W4A16) across GPUs under ZeRO-3 / ZeRO-2.
 
     python benchmarks/gpu/scaling.py run --model llama8b --zero 3 --worlds 2 4 8 --modes strong weak --out DIR
     python benchmarks/gpu/scaling.py run --model qwen3moe --moe-layers 24 --zero 3 --worlds 8 --profile extra --out DIR

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Strong and weak scaling of live-teacher QAD (NVFP4 W4A16) on 2, 4 and 8 H200s under ZeRO-3 and ZeRO-2,
-# an 8B Llama shape and a Qwen3-MoE shape, with the ZeRO-3 gather profile (issue 23): one job per device
+# an 8B Llama shape and a Qwen3-MoE shape, with the ZeRO-3 gather profile: one job per device
 # call, each job a few `deepspeed --num_gpus N -m qatfactory.train` launches of benchmarks/gpu/scaling.py.
 #
 # Here, once: bash benchmarks/gpu/stage.sh pack                    (our stack as wheels in .whl)

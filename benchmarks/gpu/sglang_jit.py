@@ -1,5 +1,5 @@
 """SGLang's JIT kernels on the H200: what the carried FlashInfer keeps, what the warm-up builds, and the built
-caches carried from one GPU session to the next (stage.sh pack-sglang / stage-jit, engines.sh; issue 16).
+caches carried from one GPU session to the next (stage.sh pack-sglang / stage-jit, engines.sh).
 
 An offline ``sglang.Engine`` (0.5.17, attention_backend="triton", sampling_backend="pytorch",
 grammar_backend="none", CUDA graphs on) compiles two kinds of kernels at first use, read from the wheels'

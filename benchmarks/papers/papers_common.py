@@ -4,7 +4,7 @@ the packages, one trainer run per arm (qatfactory.train.loop.run), one held-out 
 arm (full-vocabulary forward KL to the teacher, CE, top-1, per-position buckets, bootstrap CI), the
 provenance record, the verdict rule, the time budget.
 
-The verdict rule (issue 21): a finding is **reproduced** when the measured difference has the paper's
+The verdict rule: a finding is **reproduced** when the measured difference has the paper's
 sign and is larger than twice the seed-to-seed spread; a clear difference of the other sign is **not
 reproduced**; anything within twice the spread, or measured with fewer than two seeds, is
 **inconclusive**. The spread of an arm is the range (max - min) of its per-seed values; the rule uses
