@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
     + ["qatfactory.exporters", "qatfactory.exporters.verify", "qatfactory.recipes", "qatfactory.csrc"],
     package_dir={"qatfactory.exporters": "exporters", "qatfactory.recipes": "recipes", "qatfactory.csrc": "csrc"},
-    package_data={"qatfactory": ["eval_tasks/*.yaml", "eval_tasks/*.py"],
+    package_data={"qatfactory": ["faces/eval_tasks/*.yaml", "faces/eval_tasks/*.py"],
                   "qatfactory.recipes": ["*.yaml", "*/*.yaml"],
                   "qatfactory.csrc": ["*.cu", "*.cuh"]},
     install_requires=[
@@ -50,10 +50,10 @@ setup(
             "peft",
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
             "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies
-            "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/harness.py)
+            "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/faces/eval.py)
         ],
         "eval": ["lm-eval==0.4.13", "accelerate"],
         "cuda": ["cupy-cuda13x"],
     },
-    entry_points={"console_scripts": ["qatfactory=qatfactory.cli:main"]},
+    entry_points={"console_scripts": ["qatfactory=qatfactory.faces.cli:main"]},
 )

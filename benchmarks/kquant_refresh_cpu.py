@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/kquant_refresh_cpu.py [--k 1,4,16] [--repeat 2] [--threads N] [--out DIR]
 
-Each run is the demo's ``q4_k`` target as ``qatfactory demo`` runs it (qatfactory/demo.py: SmolLM2-135M-
+Each run is the demo's ``q4_k`` target as ``qatfactory demo`` runs it (qatfactory/faces/demo.py: SmolLM2-135M-
 Instruct from the packaged asset, the seeded Wikipedia split, the demo's Settings: 24 steps of 2 x 256
 tokens, lr 3e-5 constant, live teacher, compute dtype as the demo picks it), with
 ``quant.kquant_refresh_every=K`` set on its RunConfig; then the demo's own evaluation of the trained
@@ -53,7 +53,7 @@ def _setup(threads: int, steps=None, seed=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qatfactory import assets, cpu
-    from qatfactory import demo as D
+    from qatfactory.faces import demo as D
     from qatfactory.train.data import DataConfig, load_data
     torch.set_num_threads(threads)
     s = D.Settings(targets=["q4_k"])
@@ -81,7 +81,7 @@ def _setup(threads: int, steps=None, seed=None):
 
 
 def _score(sc_d, gguf_path, label):
-    from qatfactory import llama_compare as LC
+    from qatfactory.faces import llama_compare as LC
     sc = LC.Scorer(**sc_d)
     return LC.score(sc, gguf_path, label)
 
@@ -99,7 +99,7 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qatfactory import demo as D
+    from qatfactory.faces import demo as D
     from qatfactory import quantize as Q
     from qatfactory.nn import kquant_refresh
     from qatfactory.train.config import validate
@@ -161,8 +161,8 @@ def _make_scorer(out: Path, threads: int, seed=None) -> dict:
     from transformers import AutoTokenizer
 
     from qatfactory import assets
-    from qatfactory import demo as D
-    from qatfactory import llama_compare as LC
+    from qatfactory.faces import demo as D
+    from qatfactory.faces import llama_compare as LC
     s = D.Settings(targets=["q4_k"])
     if seed is not None:
         s.seed = int(seed)

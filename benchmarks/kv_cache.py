@@ -155,7 +155,7 @@ def attention_of(a, kv: str) -> str:
 
 
 def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
-    from qatfactory.ship import train_and_ship as run     # the trainer, then export + gate (export=vllm)
+    from qatfactory.faces.ship import train_and_ship as run     # the trainer, then export + gate (export=vllm)
     from qatfactory.train.config import compose
     att = attention_of(a, kv)
     # the attention rule is part of the arm's name: an arm trained with another emulation is never reused

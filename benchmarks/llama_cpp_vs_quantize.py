@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qatfactory import demo  # noqa: E402
-from qatfactory import llama_compare as LC  # noqa: E402
+from qatfactory.faces import demo  # noqa: E402
+from qatfactory.faces import llama_compare as LC  # noqa: E402
 
 FAMILIES = {"q4_k": "q4_k", "mxfp4": "mxfp4_gguf", "nvfp4": "nvfp4_gguf"}
 BEGIN, END = "<!-- llama-cpp-vs-quantize -->", "<!-- /llama-cpp-vs-quantize -->"

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[1]
 
 # a rank: `qatfactory train <overrides>`, or (with a script) python code run after the environment is set
-TRAIN = "import sys\nfrom qatfactory.cli import main\nrc = main(['train'] + sys.argv[1:])\n" \
+TRAIN = "import sys\nfrom qatfactory.faces.cli import main\nrc = main(['train'] + sys.argv[1:])\n" \
         "print('finished', rc, flush=True)\nsys.exit(rc)\n"
 
 

@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from qatfactory import assets, llama_tools as LT
+from qatfactory import assets
+from qatfactory.faces import llama_tools as LT
 
 
 def smollm2_dir(d, tie: bool):

@@ -4,7 +4,7 @@ import sys
 
 import yaml
 
-from qatfactory.cli import main
+from qatfactory.faces.cli import main
 
 
 def test_cfg_job_prints_the_composed_settings_and_runs_nothing(tmp_path, capsys, monkeypatch):

@@ -68,7 +68,7 @@ def test_eval_without_lm_eval_names_the_extra_in_one_line(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HIDE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     hidden = dict(env, PYTHONPATH=str(tmp_path), QF_TEST_ABSENT="lm_eval")
-    r = subprocess.run([sys.executable, "-m", "qatfactory.cli", "eval", str(tmp_path), "tasks=qf_arc_easy"],
+    r = subprocess.run([sys.executable, "-m", "qatfactory.faces.cli", "eval", str(tmp_path), "tasks=qf_arc_easy"],
                        cwd=tmp_path, env=hidden, capture_output=True, text=True, timeout=300)
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]

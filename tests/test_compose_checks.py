@@ -17,7 +17,7 @@ import torch
 
 from test_train import BASE
 
-from qatfactory import cli
+from qatfactory.faces import cli
 from qatfactory import exitcodes as X
 
 
@@ -263,7 +263,7 @@ def student(tmp_path_factory, hf_dir):
     ("NAN", "config.json: rms_norm_eps = nan; allowed: a finite number"),
 ])
 def test_a_damaged_student_is_refused_by_file_and_field(student, tmp_path, capsys, record, field):
-    from qatfactory.cli_export import main
+    from qatfactory.faces.export import main
     d = tmp_path / "student"
     d.mkdir()
     for f in student.iterdir():

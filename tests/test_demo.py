@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qatfactory import demo
+from qatfactory.faces import demo
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_demo_missing_model_dir(tmp_path):
 
 
 def test_expected_time_comes_from_the_newest_finished_run_with_the_same_settings(tmp_path):
-    from qatfactory.demo import Settings, previous_run_seconds
+    from qatfactory.faces.demo import Settings, previous_run_seconds
     s = Settings()
     other = Settings(steps=s.steps + 1)
     for name, st, sec in (("demo-20260101-000000", s, 100.0), ("demo-20260102-000000", s, 200.0),

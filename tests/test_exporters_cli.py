@@ -10,7 +10,7 @@ import torch
 
 from test_exporters_helpers import VOCAB, source_dir, tiny_config
 
-from qatfactory.cli_export import main
+from qatfactory.faces.export import main
 from qatfactory.exitcodes import BAD_INPUT, FAIL, INCOMPLETE, USAGE
 
 

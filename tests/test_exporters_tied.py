@@ -158,7 +158,7 @@ def test_tied_student_through_the_cli(tmp_path, capsys):
     """save_student -> `qatfactory export --verify` (load_student -> convert -> export -> gate)."""
     import transformers as T
 
-    from qatfactory.cli_export import main
+    from qatfactory.faces.export import main
     from qatfactory.quantize import QuantConfig, prepare, save_student
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""`qatfactory eval <student | GGUF> tasks=...` (qatfactory/harness.py: lm-evaluation-harness on local files).
+"""`qatfactory eval <student | GGUF> tasks=...` (qatfactory/faces/eval.py: lm-evaluation-harness on local files).
 
 A tiny random Llama with a byte-level BPE, fake-quantized to MXFP4 and saved as a student; every metric that
 lm-eval reports is recomputed here by hand with plain torch on the same student (log-likelihoods of the ARC
@@ -22,9 +22,9 @@ from tiny_llm import tiny_llama, train_bpe  # noqa: E402
 
 from optional_imports import needed  # noqa: E402
 
-needed("lm_eval")   # the eval extra (also in the test extra): qatfactory.harness imports it
+needed("lm_eval")   # the eval extra (also in the test extra): qatfactory.faces.eval imports it
 
-from qatfactory import harness  # noqa: E402
+from qatfactory.faces import eval as harness  # noqa: E402
 
 ARC = [
     {"question": "What is the capital of France?", "choices": {"text": ["Paris", "Berlin", "a small cat"],
@@ -229,7 +229,7 @@ def test_bad_input_gets_a_clear_error(setup, tmp_path, capsys):
     (busy / "keep.txt").write_text("mine")
     err([s, "tasks=qf_gsm8k", f"out={busy}"], 4, "exists and is not empty")
     assert (busy / "keep.txt").read_text() == "mine"
-    from qatfactory.cli import main as cli
+    from qatfactory.faces.cli import main as cli
     assert cli(["eval", s, "tasks=nope"]) == 3            # the command line reaches the harness
 
 

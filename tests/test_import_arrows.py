@@ -1,6 +1,6 @@
 """The import arrows of DESIGN.md, walked from the sources (every import, inside functions too):
 
-    formats <- kernels <- nn <- quantize <- train <- cli / demo        formats <- exporters <- cli / demo
+    formats <- kernels <- nn <- quantize <- train <- faces (cli, demo, ...)        formats <- exporters <- faces
 
 with distill (losses, RL) and native (native 4-bit checkpoints) at the quantize level, and the leaf
 utilities (exit codes, atomic directories, recipes, assets, CPU probing) importable by anyone. A new
@@ -10,9 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAF = {"exitcodes", "_fsutil", "_inputs", "_quiet", "_recipes", "_rdata", "assets", "cpu"}
-FACES = {"cli", "cli_export", "cli_scales", "cli_eval", "demo", "demo_report", "llama_tools", "llama_compare", "ship",
-         "eval", "harness",
-         "eval_tasks", "__main__"}
+FACES = {"faces", "__main__"}
 CORE = {"formats": set(), "kernels": {"formats"}, "nn": {"formats", "kernels"},
         "quantize": {"formats", "kernels", "nn"}, "distill": {"formats", "kernels", "nn", "quantize"},
         "native": {"formats", "kernels", "nn", "quantize"}, "exporters": {"formats"},

@@ -18,7 +18,7 @@ def test_import_without_deepspeed_cupy_or_gpu():
     code = BLOCK + textwrap.dedent("""
         import torch
         import qatfactory, qatfactory.formats, qatfactory.kernels, qatfactory.nn, qatfactory.quantize
-        import qatfactory.exporters, qatfactory.distill, qatfactory.train.config, qatfactory.cli
+        import qatfactory.exporters, qatfactory.distill, qatfactory.train.config, qatfactory.faces.cli
         from qatfactory.formats import get_format
         x = torch.randn(4, 64)
         from qatfactory import kernels

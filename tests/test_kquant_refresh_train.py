@@ -72,7 +72,7 @@ def test_the_search_runs_every_4_steps_and_the_export_is_the_engines_quantizatio
     assert np.array_equal(np.asarray(tensors["token_embd.weight"].data).reshape(want.shape), want)
     assert checked | {emb.weight_format} == {"q4_k", "q6_k", "q5_0"}, checked
     # `qatfactory verify` on the export against the saved student (reloaded with its kept-scale buffers)
-    from qatfactory import cli
+    from qatfactory.faces import cli
     rc = cli.main(["verify", s["export_dir"], "--against", s["student_dir"], "--json", str(d / "v.json")])
     v = json.loads((d / "v.json").read_text())
     assert rc == 0 and v["verdict"] == "PASS", v

@@ -100,7 +100,7 @@ def test_gguf_export_records_the_cache_type_and_its_flags(tmp_path, capsys):
     m = _student("llama", "q4_k", "q8_0_kv_x86", hidden=256, inter=96)
     cm = convert(m)
     save_student(m, str(tmp_path / "s"))
-    from qatfactory.cli_export import main
+    from qatfactory.faces.export import main
     assert main(["export", str(tmp_path / "s"), "--engine", "llama_cpp", "--out", str(tmp_path / "g")]) == 0
     out = capsys.readouterr().out
     assert "KV cache: trained for q8_0_kv_x86; serve it with --cache-type-k q8_0 --cache-type-v q8_0 -fa on" in out

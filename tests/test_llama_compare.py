@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 
-from qatfactory import assets, demo, llama_compare as LC
+from qatfactory import assets
+from qatfactory.faces import demo
+from qatfactory.faces import llama_compare as LC
 from smollm2_shapes import smollm2_dir, export_ours, require_llama_cpp
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qatfactory import llama_tools as LT
+from qatfactory.faces import llama_tools as LT
 from smollm2_shapes import smollm2_dir, export_ours, require_llama_cpp
 
 gguf = pytest.importorskip("gguf")

@@ -73,7 +73,7 @@ def test_a_plugin_method_trains_saves_and_ships_through_the_cli(toy_run, text, t
 
 
 def test_an_unknown_or_unimported_method_names_the_registered_ones(tmp_path, capsys):
-    from qatfactory import cli
+    from qatfactory.faces import cli
     # a method whose module nobody imported (no plugins=) is unknown, like a misspelt one
     assert cli.main(["train", "method=sft_nobody_imported", f"run_dir={tmp_path / 'x'}"]) == 3
     line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qatfactory train")]

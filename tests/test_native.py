@@ -203,7 +203,7 @@ def test_bad_input_is_refused_with_one_line(bases, tmp_path):
 
 
 def test_cli_scales_export_apply_and_rollback(bases, tmp_path, capsys):
-    from qatfactory.cli import main
+    from qatfactory.faces.cli import main
     ck = N.read_native(bases["ct_mxfp4"])
     model = N.build_model(ck)
     torch.manual_seed(1)
@@ -230,7 +230,7 @@ def test_cli_scales_export_apply_and_rollback(bases, tmp_path, capsys):
 
 
 def test_scales_extract_never_overwrites_a_file_that_is_not_a_scale_file(bases, tmp_path, capsys):
-    from qatfactory.cli import main
+    from qatfactory.faces.cli import main
     weights = tmp_path / "model.safetensors"                 # --out pointed at the user's weights by mistake
     weights.write_bytes((bases["ct_mxfp4"] / "model.safetensors").read_bytes())
     notes = tmp_path / "notes.txt"
@@ -263,7 +263,7 @@ def _rewrite(f, out, change):
 
 
 def _apply(capsys, base, f, out):
-    from qatfactory.cli import main
+    from qatfactory.faces.cli import main
     capsys.readouterr()
     rc = main(["scales", "apply", "--base", str(base), "--scales", str(f), "--out", str(out), "--quiet"])
     c = capsys.readouterr()

@@ -58,7 +58,7 @@ def test_wheel_installs_outside_the_checkout_and_trains_exports_verifies(tmp_pat
     assert recipes and {"qatfactory/recipes/" + r for r in recipes} <= names
     assert {"qatfactory/csrc/" + p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh")} <= names
     tasks = {p.name for p in (ROOT / "qatfactory" / "eval_tasks").glob("*.yaml")}
-    assert tasks and {"qatfactory/eval_tasks/" + t for t in tasks} <= names
+    assert tasks and {"qatfactory/faces/eval_tasks/" + t for t in tasks} <= names
     assert "Requires-Python: >=3.11,<3.13" in meta.splitlines()
     core = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
     # the trainer imports DeepSpeed on one process too: `pip install qatfactory` must bring it

@@ -19,7 +19,7 @@ PY = shlex.quote(sys.executable)
 
 # The commands are spelled `.venv/bin/qatfactory`, `qatfactory` or `python`; the interpreter running this test
 # stands in for them (CI or a wheel's virtual environment has no .venv in the test's temporary directory).
-TOOLS = ((re.compile(r"(?:^|(?<=\s))(?:\.venv/bin/)?qatfactory(?=\s)"), f"{PY} -m qatfactory.cli"),
+TOOLS = ((re.compile(r"(?:^|(?<=\s))(?:\.venv/bin/)?qatfactory(?=\s)"), f"{PY} -m qatfactory.faces.cli"),
          (re.compile(r"(?:^|(?<=\s))(?:\.venv/bin/)?python(?=\s)"), PY))
 
 # page -> [(text, replacement, why)]: only what a CPU test must change

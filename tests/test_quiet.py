@@ -56,7 +56,7 @@ def student(tmp_path_factory):
 
 def test_eval_outside_a_clone_prints_no_git_error(student, tmp_path, capfd, monkeypatch):
     """lm-eval asks git for the current directory's commit; outside a clone git said "fatal: ..." on our stderr."""
-    from qatfactory import harness
+    from qatfactory.faces import eval as harness
     monkeypatch.chdir(tmp_path)                          # not a git work tree
     rc = harness.main([str(student / "student"), "tasks=qf_arc_easy", f"data_files=qf_arc_easy:{student / 'arc.jsonl'}",
                        f"out={tmp_path / 'ev'}"])

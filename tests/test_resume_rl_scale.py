@@ -80,7 +80,7 @@ def test_killed_and_resumed_two_ranks_equals_uninterrupted(tmp_path, arm):
 def test_eval_only_of_a_checkpoint_reproduces_the_runs_last_evaluation(tmp_path, arm):
     # `qatfactory eval --checkpoint`: the run's final checkpoint evaluated alone gives the numbers the run
     # logged at its end, and writes only its own result file
-    from qatfactory.cli import eval_main
+    from qatfactory.faces.cli import eval_main
     from qatfactory.train import compose, run
     over = [a for a in (GRPO if arm == "grpo" else SCALE) + ["train.max_steps=2", "train.plots=false"]]
     if arm == "scale_adapter":

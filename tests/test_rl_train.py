@@ -63,7 +63,7 @@ def one_thread():
 
 
 def _run(run_dir, *over):
-    from qatfactory.ship import train_and_ship
+    from qatfactory.faces.ship import train_and_ship
     from qatfactory.train.config import compose
     cfg = compose([*SAY7, f"run_dir={run_dir}", "method.rl.prompts_per_step=2", *over])
     s = train_and_ship(cfg)

@@ -19,7 +19,7 @@ import torch
 from test_exporters_helpers import build_tokenizer, tiny_config
 
 from qatfactory import _fsutil
-from qatfactory.cli_export import load_converted, main
+from qatfactory.faces.export import load_converted, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def test_damaged_student_safetensors_is_named(student_dir, tmp_path, capsys, dam
 CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
-    from qatfactory.cli_export import load_converted
+    from qatfactory.faces.export import load_converted
     from qatfactory.exporters import export
     from qatfactory import _fsutil
     import qatfactory.exporters.vllm as V

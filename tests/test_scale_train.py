@@ -49,7 +49,7 @@ def _metrics(run_dir):
 
 
 def test_train_merge_export_passes_the_gate_with_the_code_plane_hook(base, tmp_path):
-    from qatfactory.ship import train_and_ship as run
+    from qatfactory.faces.ship import train_and_ship as run
     from qatfactory.train.config import compose
     # no trust region here (max_changed=1): the random toy gains from moving many bytes, and a merge with
     # many new bytes tests the gate harder; the limit has its own test below
@@ -146,7 +146,7 @@ def test_zero2_two_gloo_ranks_equal_one_process(base, tmp_path):
 
 
 def test_bad_input_one_line_with_its_exit_code(base, tmp_path, capsys):
-    from qatfactory.cli import train_main
+    from qatfactory.faces.cli import train_main
     from qatfactory.exporters.verify.common import model_from_state_dict, student_weights
     cm = student("llama", "nvfp4")
     hf = tmp_path / "hf"

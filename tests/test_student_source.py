@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qatfactory.cli import main
+from qatfactory.faces.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_llm import tiny_llama, train_bpe  # noqa: E402
@@ -56,7 +56,7 @@ def test_export_ships_the_recorded_tokenizer_without_source_dir(trained, tmp_pat
 
 
 def test_a_recorded_folder_that_is_not_that_model_is_not_followed(trained, tmp_path, capsys):
-    from qatfactory.cli_export import load_converted
+    from qatfactory.faces.export import load_converted
     model, student = trained
     moved = _copy(model, tmp_path / "moved-model")
     st = _copy(student, tmp_path / "student")
@@ -118,7 +118,7 @@ def test_save_student_records_the_folder_the_model_was_loaded_from(tmp_path):
 
 
 def test_eval_of_a_student_finds_the_recorded_tokenizer(trained, tmp_path, capsys):
-    from qatfactory import harness
+    from qatfactory.faces import eval as harness
     model, student = trained
     tok = harness.load_tokenizer(student, {})
     assert tok.name_or_path == str(model.resolve())

@@ -14,7 +14,7 @@ BASE = ["train=cpu_tiny", "data.synthetic=16", "data.seq_len=32", "data.eval_sam
 
 def _run(run_dir, *over, eval_only=False):
     # the trainer, then the face's shipping when the run asks for an export (what `qatfactory train` does)
-    from qatfactory.ship import train_and_ship
+    from qatfactory.faces.ship import train_and_ship
     cfg = compose(BASE + [f"run_dir={run_dir}", *over])
     s = train_and_ship(cfg, eval_only=eval_only)
     s.pop("engine").destroy()
@@ -53,7 +53,7 @@ def test_zero_stages_0_1_2_agree_and_resume_is_bit_exact(tmp_path, teacher_dir):
     st = json.loads((tmp_path / "rs" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert st["step"] == 4 and st["position"] == 4 * 2
     # `qatfactory eval --checkpoint` restores the step-4 student and reproduces the run's final eval
-    from qatfactory import cli
+    from qatfactory.faces import cli
     assert cli.main(["eval", "--checkpoint", str(tmp_path / "rs" / "checkpoints" / "step-000004")]) == 0
     ev = json.loads((tmp_path / "rs" / "eval-step-000004.json").read_text())["eval_last"]
     assert ev["eval/kl"] == pytest.approx(full["eval_last"]["eval/kl"], rel=1e-6)

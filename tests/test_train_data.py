@@ -80,7 +80,7 @@ def test_held_out_eval_is_the_tail(tmp_path):
 
 
 def test_cli(capsys, monkeypatch):
-    from qatfactory import cli
+    from qatfactory.faces import cli
     assert cli.main(["nope"]) == 3                   # exitcodes.USAGE
     assert "unknown command 'nope'" in capsys.readouterr().err
     assert cli._strip_launcher_args(["--local_rank=1", "a=b", "--local_rank", "1", "c=d"]) == ["a=b", "c=d"]
@@ -92,12 +92,12 @@ def test_cli(capsys, monkeypatch):
     real = importlib.import_module
 
     def fake(name, *a, **k):
-        if name == "qatfactory.cli_export":
-            raise ImportError("No module named 'qatfactory.cli_export'")
+        if name == "qatfactory.faces.export":
+            raise ImportError("No module named 'qatfactory.faces.export'")
         return real(name, *a, **k)
     monkeypatch.setattr(importlib, "import_module", fake)
     assert cli.main(["export", "x"]) == 4            # exitcodes.BAD_INPUT: not installed
-    assert "qatfactory.cli_export is not available" in capsys.readouterr().err
+    assert "qatfactory.faces.export is not available" in capsys.readouterr().err
 
 
 def test_lr_schedules():

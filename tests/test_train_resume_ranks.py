@@ -43,7 +43,7 @@ RANK = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
         C.save = save
-    from qatfactory.cli import main
+    from qatfactory.faces.cli import main
     rc = main(["train"] + sys.argv[2:])
     print("finished", rc, flush=True)
     sys.exit(rc)

@@ -22,7 +22,7 @@ import torch
 
 from test_train import BASE, _losses, _run
 
-from qatfactory import cli
+from qatfactory.faces import cli
 
 REPO = Path(__file__).resolve().parents[1]
 Q = ["method=qat", "format=nvfp4_w4a16", "model.tiny.initializer_range=0.3", "model.dtype=float32"]
@@ -323,7 +323,7 @@ def test_a_failing_gate_fails_the_training_and_marks_the_export(tmp_path, capsys
 def test_gate_verdicts_map_to_exit_codes():
     from types import SimpleNamespace as NS
 
-    from qatfactory.ship import gate_summary
+    from qatfactory.faces.ship import gate_summary
     ok = NS(ok=True, checks=[NS(tensor="t", check="bytes", status="ok", detail="")])
     assert gate_summary(ok)["verdict"] == "PASS" and cli._gate_code({"verify": gate_summary(ok)}) == 0
     inc = NS(ok=False, verdict="INCOMPLETE",

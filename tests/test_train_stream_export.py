@@ -27,7 +27,7 @@ import json, sys
 from pathlib import Path
 import torch
 from qatfactory.train.config import compose
-from qatfactory.ship import train_and_ship
+from qatfactory.faces.ship import train_and_ship
 out, engines, over = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
 s = train_and_ship(compose(over))   # the trainer (its ZeRO-3 hand-over streams), then the face ships
 engine = s.pop("engine")
@@ -35,7 +35,7 @@ rank = torch.distributed.get_rank()
 student = engine.module
 from qatfactory import quantize as Q
 from qatfactory.exporters import export, verify
-from qatfactory.ship import gate_summary
+from qatfactory.faces.ship import gate_summary
 from qatfactory.train.stream_export import cpu_student
 rec = {"trainer": {"verify": s.get("verify"), "gather": getattr(s.get("student"), "gather", None),
                    "export_dir": s.get("export_dir")}}

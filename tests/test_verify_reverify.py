@@ -58,8 +58,8 @@ def test_train_cli_export_reverifies_against_the_runs_student(tmp_path):
     """``qatfactory train ... export=vllm train.save_student=true``: the export its run gated verifies
     PASS again against run_dir/student (as `qatfactory verify --against` loads it), and against a
     byte-identical copy of that folder elsewhere."""
-    from qatfactory.cli_export import load_converted
-    from qatfactory.ship import train_and_ship
+    from qatfactory.faces.export import load_converted
+    from qatfactory.faces.ship import train_and_ship
     from qatfactory.train.config import compose
     cfg = compose(["train=cpu_tiny", "data.synthetic=16", "data.seq_len=32", "data.eval_samples=4",
                    "train.eval_every=0", "train.max_steps=1", "train.lr=1e-3", f"run_dir={tmp_path / 'r'}",

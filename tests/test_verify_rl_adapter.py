@@ -80,7 +80,7 @@ def test_rl_run_gates_the_adapter_it_ships(tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     from qatfactory.nn import adapter as AD
-    from qatfactory.ship import train_and_ship
+    from qatfactory.faces.ship import train_and_ship
     from qatfactory.train.config import compose
     save = AD.save_peft_adapter
 

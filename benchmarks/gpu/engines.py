@@ -120,7 +120,7 @@ def prepare_model_and_data(a) -> Dict[str, Any]:
         from qatfactory import assets
         model_dir = assets.prepare_model_dir("smollm2")
     os.environ["QATFACTORY_CACHE"] = str(cache)
-    from qatfactory import demo
+    from qatfactory.faces import demo
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     s = demo.Settings(steps=a.steps, seq_len=a.seq, micro_batch=a.micro, eval_samples=a.eval_seqs,
                       calib_samples=a.calib, seed=0)
@@ -234,7 +234,7 @@ def tiny_moe_student(prep, out: Path, a) -> None:
 
 
 def export_cell(student_dir: Path, cell: Cell, out: Path, source_dir: Optional[str]) -> Dict[str, Any]:
-    from qatfactory.cli_export import load_converted
+    from qatfactory.faces.export import load_converted
     from qatfactory.exporters import export
     cm = load_converted(str(student_dir), source_dir)
     t = time.time()

@@ -152,7 +152,7 @@ class ExportJob:
 
     def _cli(self, what: str, args: List[str]) -> Proc:
         threads = max(1, ((os.cpu_count() or 2) - 4) // 2) if self.a.gpu else 1
-        p = Proc(f"{self.tag}-{what}-{self.engine}", [sys.executable, "-m", "qatfactory.cli", what] + args,
+        p = Proc(f"{self.tag}-{what}-{self.engine}", [sys.executable, "-m", "qatfactory.faces.cli", what] + args,
                  Path(self.a.work) / "logs" / f"{self.tag}-{what}-{self.engine}-{self.flavour}.log",
                  child_env(self.a, threads=threads, hide_gpus=True))
         p.wait(self.budget.timeout(1e9))

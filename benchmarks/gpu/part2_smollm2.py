@@ -1,8 +1,8 @@
 """Part 2 of the GPU pipeline (issue 7; benchmarks/gpu/pipeline.py): SmolLM2-135M-Instruct from its
 packaged GGUF (staging.py reassembles it; ``qatfactory.assets.prepare_model_dir`` makes the HF
-directory), the Wikipedia split written by ``qatfactory.demo.prepare_data``, QAD under the deepspeed
+directory), the Wikipedia split written by ``qatfactory.faces.demo.prepare_data``, QAD under the deepspeed
 launcher, then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's
-evaluation (``qatfactory.demo.HeldOut``), exports and verify; optionally GSM8K (greedy).
+evaluation (``qatfactory.faces.demo.HeldOut``), exports and verify; optionally GSM8K (greedy).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from transformers.utils import logging as hf_logging
 
 from launches import ExportJob, run_launch
 from pipeline_report import Report
-from qatfactory import assets, demo
+from qatfactory import assets
+from qatfactory.faces import demo
 from qatfactory import quantize as Q
 from qatfactory.train.config import compose
 from qatfactory.train.data import DataConfig, load_data
@@ -90,7 +91,7 @@ def p2_exports(fmt: str) -> List[Tuple[str, str]]:
 
 
 class Part2Eval:
-    """The demo's held-out evaluation (qatfactory.demo.HeldOut) for teacher, PTQ and QAD students,
+    """The demo's held-out evaluation (qatfactory.faces.demo.HeldOut) for teacher, PTQ and QAD students,
     in this process on the first GPU (or the CPU in the smoke run)."""
 
     def __init__(self, a, prep: Dict[str, Any]):

@@ -85,7 +85,7 @@ def main() -> int:
                 box["prof"] = None
             return out
         DE.DeepSpeedEngine.step = step
-    from qatfactory.cli import main as cli
+    from qatfactory.faces.cli import main as cli
     rc = cli(["train"] + sys.argv[1:])
     if OUT and box["done"] is not None and int(os.environ.get("RANK", "0")) == 0:
         Path(OUT).write_text(json.dumps(box["done"], indent=1))

@@ -99,7 +99,7 @@ def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
     again, its summary is read back with the student at run_dir/student; a run cut before its end is handed
     to the trainer with resume=auto (it continues from a checkpoint, or starts over when it saved none). A
     finished run with other overrides is left alone and refused by the trainer, as before."""
-    from qatfactory.ship import train_and_ship as run
+    from qatfactory.faces.ship import train_and_ship as run
     from qatfactory.train.config import compose
     cfg = compose(list(overrides))
     d = Path(cfg.run_dir) if cfg.run_dir else None

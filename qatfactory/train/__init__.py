@@ -1,7 +1,7 @@
 """The QAT/QAD trainer under DeepSpeed: ``run(compose([...]))`` or ``python -m qatfactory.train k=v ...``.
 
 ``run`` returns the run summary with ``summary["student"]`` (train.methods.Student); it exports
-nothing: ``qatfactory.ship.train_and_ship`` (what ``qatfactory train`` runs) also ships it."""
+nothing: ``qatfactory.faces.ship.train_and_ship`` (what ``qatfactory train`` runs) also ships it."""
 from .config import RunConfig, compose, validate
 from .loop import run as _run
 

@@ -6,7 +6,7 @@ This file is a face, not part of the trainer: the entry point the launcher runs,
 import sys
 
 from .. import _quiet
-from ..cli import train_main
+from ..faces.cli import train_main
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ rollout, its rewards and advantages, then several optimizer steps over the buffe
 scale-adapter step ends by pulling the scale bytes back into their trust region. The loop owns the
 rest, the same for all: distributed init, the run directory, DeepSpeed, the optimizer and LR schedule,
 the step levers, logging, evaluation, checkpoints and resume, the summary and plots. The run returns
-the student (``summary["student"]``, a methods.Student); the face ships it (``qatfactory.ship``).
+the student (``summary["student"]``, a methods.Student); the face ships it (``qatfactory.faces.ship``).
 
 Launch: ``qatfactory train k=v ...`` / ``python -m qatfactory.train k=v ...`` (one process; the env
 vars DeepSpeed expects are set here) or ``deepspeed --num_gpus N -m qatfactory.train k=v ...``.

@@ -23,7 +23,7 @@ A method reaches the loop's services only through the :class:`Context` it is len
 
 A run returns a :class:`Student`: the trained module, the student directory, and, when the run
 asks for an export, the converted model and where it goes. The face (``qatfactory train``,
-``python -m qatfactory.train``, the demo) ships it with ``qatfactory.ship.ship``: nothing under
+``python -m qatfactory.train``, the demo) ships it with ``qatfactory.faces.ship.ship``: nothing under
 train/ imports an exporter.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ hooks of the one loop.
 
     run_dir/scales.safetensors   the task's scale bytes (native.save_scale_file): the merge, a few % of the
                                  checkpoint, applies onto the base's code plane (``qatfactory scales``)
-    run_dir/export-<engine>/     when export.enabled (shipped by the face, qatfactory.ship): the base's codes
+    run_dir/export-<engine>/     when export.enabled (shipped by the face, qatfactory.faces.ship): the base's codes
                                  + these scale bytes, through the gate with two more rows: codes == the
                                  base's (Student.native_base), logits == the training forward
                                  (Student.training_logits)

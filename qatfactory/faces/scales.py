@@ -1,4 +1,4 @@
-"""`qatfactory scales`: merge, swap and roll back the scale files of method=scale_adapter (qatfactory.cli delegates).
+"""`qatfactory scales`: merge, swap and roll back the scale files of method=scale_adapter (qatfactory.faces.cli delegates).
 
     qatfactory scales export  --base BASE --scales run/scales.safetensors --engine vllm --flavour compressed-tensors --out OUT
     qatfactory scales apply   --base BASE --scales task.scales.safetensors --out OUT     # same container, only scale bytes change
@@ -23,7 +23,7 @@ from typing import List, Optional
 from qatfactory import exitcodes as X
 from qatfactory._fsutil import check_replaceable
 
-from .cli_export import _print_result, verdict_code
+from .export import _print_result, verdict_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def _gate(out, ck, cm, args, written: bool = False) -> int:
     other than PASS moves it to ``<out>.FAILED`` with FAILED.json, as every failed export is marked."""
     from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
     from qatfactory.exporters.verify.code_plane import check_code_plane  # noqa: PLC0415 (CLI start)
-    from qatfactory.ship import gate_summary, mark_failed  # noqa: PLC0415 (CLI start)
+    from qatfactory.faces.ship import gate_summary, mark_failed  # noqa: PLC0415 (CLI start)
     res = verify(out, cm, logits=not getattr(args, "no_logits", False))
     check_code_plane(res, out, ck.path, cm)
     _print_result(res, getattr(args, "quiet", False))
@@ -70,7 +70,7 @@ def _gate(out, ck, cm, args, written: bool = False) -> int:
 
 
 def _run(args) -> int:
-    from . import native as N  # noqa: PLC0415 (CLI start)
+    from .. import native as N  # noqa: PLC0415 (CLI start)
     if args.cmd == "extract":
         ck = N.read_native(args.base)
         meta = N.base_scale_file(ck, args.out)

@@ -1,6 +1,6 @@
 """ship(): a converted student -> an engine's checkpoint -> the parity gate, written once.
 
-    from qatfactory.ship import ship
+    from qatfactory.faces.ship import ship
     s = ship(converted, "vllm", "modelopt", "out/vllm")     # export, verify, .FAILED on a failing gate
     s.ok, s.path, s.gate["verdict"]
 
@@ -20,16 +20,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _fsutil
-from ._inputs import read_json
-from .exitcodes import UsageError
-from .exporters import export
-from .exporters import verify as gate
-from .exporters.verify.adapter import TrainedAdapter, check_adapter
-from .exporters.verify.code_plane import check_code_plane, check_training_logits
-from .exporters.verify.common import default_prompt
-from .train import runlock
-from .train.loop import run as train_run
+from .. import _fsutil
+from .._inputs import read_json
+from ..exitcodes import UsageError
+from ..exporters import export
+from ..exporters import verify as gate
+from ..exporters.verify.adapter import TrainedAdapter, check_adapter
+from ..exporters.verify.code_plane import check_code_plane, check_training_logits
+from ..exporters.verify.common import default_prompt
+from ..train import runlock
+from ..train.loop import run as train_run
 
 
 @dataclass
@@ -172,7 +172,7 @@ def ship_student(student, run_dir: Optional[str] = None) -> Dict[str, Any]:
 def model_type_of(cfg) -> Optional[str]:
     """The run's model_type without building it: the random models' architecture, or config.json of
     model.path read with limits (None when no folder is there yet: a packaged asset not prepared)."""
-    from .train.config import TINY_NAMES  # noqa: PLC0415 (the face reads the trainer's table)
+    from ..train.config import TINY_NAMES  # noqa: PLC0415 (the face reads the trainer's table)
     m = cfg.model
     if m.path is None and m.asset is None:
         return TINY_NAMES.get(m.name)
@@ -187,7 +187,7 @@ def check_request(cfg) -> None:
     engine's exporter writes (exporters/llama_cpp.py ARCHS for GGUF)."""
     if not cfg.export.enabled or cfg.export.engine != "llama_cpp":
         return
-    from .exporters.llama_cpp import ARCHS  # noqa: PLC0415 (the exporter's own table)
+    from ..exporters.llama_cpp import ARCHS  # noqa: PLC0415 (the exporter's own table)
     mt = model_type_of(cfg)
     if mt is not None and mt not in ARCHS:
         raise UsageError(f"export=llama_cpp with model_type={mt!r} (model.path={cfg.model.path}): the GGUF exporter "

@@ -4,11 +4,11 @@
     qatfactory train plugins=[my.methods] method=my_sft ...   (a method registered outside the package)
     qatfactory train ... --cfg job                  (print the composed settings, run nothing)
     qatfactory eval --checkpoint runs/<run>/checkpoints/step-000200 [overrides]
-    qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.harness)
-    qatfactory export ... / qatfactory verify ...   (qatfactory.cli_export)
+    qatfactory eval <student | model dir | GGUF export> tasks=qf_gsm8k,... [limit=N]   (qatfactory.faces.eval)
+    qatfactory export ... / qatfactory verify ...   (qatfactory.faces.export)
     qatfactory bench [args]                         (benchmarks/step.py)
-    qatfactory demo                                 (qatfactory.demo)
-    qatfactory scales export|apply|extract|verify   (qatfactory.cli_scales; method=scale_adapter)
+    qatfactory demo                                 (qatfactory.faces.demo)
+    qatfactory scales export|apply|extract|verify   (qatfactory.faces.scales; method=scale_adapter)
 
 Training overrides are Hydra's (``group=option``, ``a.b=value``); recipes/ lists the options.
 """
@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from . import _quiet
-from . import exitcodes as X
-from .exitcodes import BadInputError, UsageError
+from .. import _quiet
+from .. import exitcodes as X
+from ..exitcodes import BadInputError, UsageError
 
 USAGE = __doc__
 
@@ -56,7 +56,7 @@ def _run_error_code(e: BaseException) -> int:
     and refused models -> BAD_INPUT, anything else -> RUN_FAILED."""
     if getattr(e, "exit_code", None) is not None or isinstance(e, KeyboardInterrupt):
         return X.code_for(e)
-    from .quantize import CoverageError  # noqa: PLC0415 (CLI start)
+    from ..quantize import CoverageError  # noqa: PLC0415 (CLI start)
     if isinstance(e, _FILE_ERRORS + (CoverageError,)):
         return X.BAD_INPUT
     return X.RUN_FAILED
@@ -99,8 +99,8 @@ def _cfg_flag(argv: List[str]):
 def _method_help(argv: List[str]) -> int:
     """The registered methods (plugins=[...] on the command line imported first), and for
     ``method=<name>`` the options it registered, one per line with type and default."""
-    from .train import methods as M  # noqa: PLC0415 (CLI start)
-    from .train.config import method_options  # noqa: PLC0415 (CLI start)
+    from ..train import methods as M  # noqa: PLC0415 (CLI start)
+    from ..train.config import method_options  # noqa: PLC0415 (CLI start)
     try:
         for a in argv:
             if a.startswith("plugins="):
@@ -134,7 +134,7 @@ def train_main(argv: List[str]) -> int:
     2 INCOMPLETE, 3 a bad override, 4 a refused input, 5 the run failed; one line on stderr."""
     argv = _strip_launcher_args(list(argv))
     if any(a in ("-h", "--help") for a in argv):
-        from .train.config import recipes_dir  # noqa: PLC0415 (CLI start)
+        from ..train.config import recipes_dir  # noqa: PLC0415 (CLI start)
         r = recipes_dir()
         print("usage: qatfactory train [group=option ...] [key=value ...] [--cfg job]\n\n"
               "--cfg job: print the composed settings and exit without running\n\nrecipe groups:")
@@ -151,8 +151,8 @@ def train_main(argv: List[str]) -> int:
               file=sys.stderr)
         return X.USAGE
     try:
+        from ..train.config import compose  # noqa: PLC0415 (CLI start)
         from .ship import check_request  # noqa: PLC0415 (CLI start)
-        from .train.config import compose  # noqa: PLC0415 (CLI start)
         cfg = compose(argv)
         check_request(cfg)
     except BaseException as e:  # noqa: BLE001 - one line, never an 89-line traceback
@@ -161,7 +161,7 @@ def train_main(argv: List[str]) -> int:
         # Hydra's `--cfg job`: the composed, checked settings (what the run's config.yaml would hold), no run
         from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
 
-        from .train.config import to_dict  # noqa: PLC0415 (CLI start)
+        from ..train.config import to_dict  # noqa: PLC0415 (CLI start)
         print(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))), end="")
         return X.OK
     try:
@@ -198,9 +198,9 @@ def eval_main(argv: List[str]) -> int:
     checkpoint and evaluate it. The result goes to ``--out`` or to the run directory that holds the
     checkpoint (found from the --checkpoint path itself, never from a path inside the checkpoint)."""
     argv = _strip_launcher_args(list(argv))
-    # ---- lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/harness.py)
+    # ---- lm-evaluation-harness on a student, a model directory or a GGUF export (qatfactory/faces/eval.py)
     if argv and not argv[0].startswith("-") and "--checkpoint" not in argv:
-        return _delegate("qatfactory.harness", "eval", argv)
+        return _delegate("qatfactory.faces.eval", "eval", argv)
     # ---- end
     if not argv or argv[0] in ("-h", "--help") or "--checkpoint" not in argv:
         print("usage: qatfactory eval --checkpoint RUN_DIR/checkpoints/step-N [--out DIR] [key=value ...]\n"
@@ -229,7 +229,7 @@ def eval_main(argv: List[str]) -> int:
     except BaseException as e:  # noqa: BLE001
         return X.report("qatfactory eval", e, _run_error_code(e))
     try:
-        from .train.loop import run  # noqa: PLC0415 (CLI start)
+        from ..train.loop import run  # noqa: PLC0415 (CLI start)
         s = run(cfg, eval_only=True)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit):
@@ -245,8 +245,8 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
     the settings name (model, data, teacher) are read only and printed; nothing is written there."""
     from omegaconf import OmegaConf  # noqa: PLC0415 (CLI start)
 
-    from .train import checkpoint as ckpt  # noqa: PLC0415 (CLI start)
-    from .train.config import run_schema, validate  # noqa: PLC0415 (CLI start)
+    from ..train import checkpoint as ckpt  # noqa: PLC0415 (CLI start)
+    from ..train.config import run_schema, validate  # noqa: PLC0415 (CLI start)
     why = ckpt.incomplete(path) if path.is_dir() else f"{path} is not a directory"
     if why is not None:
         raise BadInputError(f"--checkpoint {path}: not a complete checkpoint ({why})")
@@ -268,7 +268,7 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
         d["data"] = {**dd, "train": []}
     try:
         if given:     # their methods' option blocks are part of the schema the settings are read with
-            from .train.methods import load_plugins  # noqa: PLC0415 (CLI start)
+            from ..train.methods import load_plugins  # noqa: PLC0415 (CLI start)
             load_plugins(list(OmegaConf.from_dotlist(given[-1:]).get("plugins") or []))
         node = OmegaConf.merge(OmegaConf.structured(run_schema()), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))
@@ -319,12 +319,12 @@ def bench_main(argv: List[str]) -> int:
 COMMANDS = {
     "train": train_main,
     "eval": eval_main,
-    "export": lambda a: _delegate("qatfactory.cli_export", "export", ["export"] + a),
-    "verify": lambda a: _delegate("qatfactory.cli_export", "verify", ["verify"] + a),
+    "export": lambda a: _delegate("qatfactory.faces.export", "export", ["export"] + a),
+    "verify": lambda a: _delegate("qatfactory.faces.export", "verify", ["verify"] + a),
     "bench": bench_main,
-    "demo": lambda a: _delegate("qatfactory.demo", "demo", a),
-    # scale adapters: merge / swap / roll back scale files (qatfactory.cli_scales)
-    "scales": lambda a: _delegate("qatfactory.cli_scales", "scales", a),
+    "demo": lambda a: _delegate("qatfactory.faces.demo", "demo", a),
+    # scale adapters: merge / swap / roll back scale files (qatfactory.faces.scales)
+    "scales": lambda a: _delegate("qatfactory.faces.scales", "scales", a),
 }
 
 

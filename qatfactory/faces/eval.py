@@ -8,7 +8,7 @@
   runtime (llama-cpp-python) in a child process (its libggml must not meet libggml-python's), scoring token
   ids that the HF tokenizer made, so both backends see the same tokens.
 
-Tasks (``qatfactory/eval_tasks``, lm-eval YAML; ``tasks=list`` prints them): ``qf_gsm8k`` (the packaged GSM8K
+Tasks (``qatfactory/faces/eval_tasks``, lm-eval YAML; ``tasks=list`` prints them): ``qf_gsm8k`` (the packaged GSM8K
 test split, lm-eval's ``gsm8k`` prompt, filters and scoring, zero-shot), ``qf_wiki_ppl`` (rolling word / byte
 perplexity and bits per byte on the 256 held-out Wikipedia articles of ``assets.wiki_splits(0)``),
 ``qf_persuasion_ppl`` (the same on *Persuasion*, chapter by chapter) run offline from the packages;
@@ -42,10 +42,10 @@ except ImportError as e:   # the eval extra is optional: the one line the comman
     raise ImportError(f"lm-eval is not installed ({e}); pip install 'qatfactory[eval]'") from None
 from tqdm import tqdm
 
-from . import _fsutil, _quiet, assets
-from . import exitcodes as X
-from .assets import sha256_file
-from .exitcodes import BadInputError, UsageError
+from .. import _fsutil, _quiet, assets
+from .. import exitcodes as X
+from ..assets import sha256_file
+from ..exitcodes import BadInputError, UsageError
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_tasks"
 OFFLINE_TASKS = ("qf_gsm8k", "qf_wiki_ppl", "qf_persuasion_ppl")
@@ -159,7 +159,7 @@ def check_data_file(task: str, p: Path) -> None:
         return
     if p.suffix not in (".jsonl", ".json"):
         raise BadInputError(f"qatfactory eval: {p}: allowed file types for data_files: .jsonl, .json, .parquet")
-    from ._inputs import loads  # noqa: PLC0415 (CLI start)
+    from .._inputs import loads  # noqa: PLC0415 (CLI start)
     text = p.read_text(encoding="utf-8", errors="replace")
     if p.suffix == ".json" and text.lstrip().startswith("["):
         doc = loads(text, str(p))
@@ -191,7 +191,7 @@ def kind_of(target: Path) -> str:
     if (target / GGUF_NAME).is_file():
         return "gguf"
     if (target / "qatfactory_quant.json").is_file():
-        from .quantize.io import read_record  # noqa: PLC0415 (CLI start)
+        from ..quantize.io import read_record  # noqa: PLC0415 (CLI start)
         return "plain" if read_record(str(target)).get("plain") else "student"
     if (target / "hf_quant_config.json").is_file() or (target / "qatfactory.json").is_file():
         raise BadInputError(f"qatfactory eval: {target} is a vLLM / SGLang export; evaluate the student it was made "
@@ -209,7 +209,7 @@ def load_tokenizer(target: Path, opts: Dict[str, str]):
     if "tokenizer" not in opts and (cand / "qatfactory_quant.json").is_file() and not (
             (cand / "tokenizer.json").is_file() or (cand / "tokenizer_config.json").is_file()):
         # a student without tokenizer files: the model folder its record names, while it still is that model
-        from .quantize.io import recorded_source  # noqa: PLC0415 (heavy: quantize loads torch)
+        from ..quantize.io import recorded_source  # noqa: PLC0415 (heavy: quantize loads torch)
         src, why = recorded_source(str(cand))
         if why:
             print(f"note: {why}", file=sys.stderr)
@@ -240,12 +240,12 @@ def build_lm(target: Path, kind: str, tok, opts: Dict[str, str]):
     if dt not in dtypes:
         raise UsageError(f"qatfactory eval: dtype={dt!r}; allowed: {list(dtypes)}")
     if kind == "student":
-        from .quantize import load_student  # noqa: PLC0415 (CLI start)
+        from ..quantize import load_student  # noqa: PLC0415 (CLI start)
         model = load_student(str(target), dtype=dtypes[dt])
     else:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: transformers)
 
-        from ._inputs import check_model_config  # noqa: PLC0415 (CLI start)
+        from .._inputs import check_model_config  # noqa: PLC0415 (CLI start)
         check_model_config(target)      # config.json with limits and against the weights, before it is built
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtypes[dt])
     model.to(device).eval()

@@ -12,10 +12,10 @@ fallback for rows that are not a multiple of 256):
    the ``qatfactory train`` command that gives the same config): a live teacher, or a top-k teacher
    cache (written once, kept in the cache directory, so later runs skip the teacher's forward) for
    MXFP4, whose error is far above the cache's top-k floor;
-3. convert -> ``qatfactory.ship.ship`` for each engine (export + the parity gate, ``exporters.verify``);
+3. convert -> ``qatfactory.faces.ship.ship`` for each engine (export + the parity gate, ``exporters.verify``);
 4. the trainer's own evaluation (``train.student.evaluate``) for teacher, PTQ and QAD students on the
    held-out split (full-vocabulary forward KL to the teacher, perplexity, top-1 agreement), then
-   ``report.md`` + PNG plots (qatfactory/demo_report.py).
+   ``report.md`` + PNG plots (qatfactory/faces/demo_report.py).
 
 Everything reported is measured in the run; the run directory keeps the raw numbers
 (``results.json``), each trainer run (metrics, plots) and the exports.
@@ -40,22 +40,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import assets, cpu
-from . import exitcodes as X
+from .. import assets, cpu
+from .. import exitcodes as X
+from .. import quantize as Q
+from ..distill.losses import LiveTeacherOut, LossConfig
+from ..distill.teachers import LiveTeacher
+from ..formats import get_format
+from ..nn.fake_quant import takes_imatrix
+from ..train.config import ModelConfig, RunConfig, compose, to_overrides, validate
+from ..train.data import DataConfig, load_data
+from ..train.loop import run as train
+from ..train.student import StudentLM, evaluate
 from . import llama_compare as LC
 from . import llama_tools as LT
-from . import quantize as Q
 from .cli import _run_error_code
 from .demo_report import _fmt_s, _verdict, make_plots, report_markdown, summary_lines  # noqa: F401 (re-exported)
-from .distill.losses import LiveTeacherOut, LossConfig
-from .distill.teachers import LiveTeacher
-from .formats import get_format
-from .nn.fake_quant import takes_imatrix
 from .ship import ship
-from .train.config import ModelConfig, RunConfig, compose, to_overrides, validate
-from .train.data import DataConfig, load_data
-from .train.loop import run as train
-from .train.student import StudentLM, evaluate
 
 
 @dataclass(frozen=True)
@@ -634,7 +634,7 @@ def _export_ptq_gguf(m, model_dir: Path, edir: Path) -> str:
 
 def llama_cpp_numbers(results: Dict[str, Any], model_dir: Path, data: Dict[str, Any], out: Path, cache: Path,
                       s: Settings, mode: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
-    """llama.cpp's own held-out KL / perplexity of each GGUF export (qatfactory/llama_compare.py), or why
+    """llama.cpp's own held-out KL / perplexity of each GGUF export (qatfactory/faces/llama_compare.py), or why
     they were not measured; with vs_llama_quantize also llama-quantize's files for the same families."""
     ggufs = [(k, r, e) for k, r in results["targets"].items() for e in r["exports"]
              if e["engine"] == "llama_cpp" and e.get("ok") is not False]

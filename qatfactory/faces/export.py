@@ -1,4 +1,4 @@
-"""`qatfactory export` and `qatfactory verify` (qatfactory.cli delegates both here).
+"""`qatfactory export` and `qatfactory verify` (qatfactory.faces.cli delegates both here).
 
     qatfactory export STUDENT --engine vllm --flavour modelopt --out OUT [--force]
     qatfactory export STUDENT --engine llama_cpp --out OUT [--dense-dtype bf16]
@@ -119,7 +119,7 @@ def verdict_code(res) -> int:
 
 def _run(args) -> int:
     from qatfactory.exporters import verify  # noqa: PLC0415 (CLI start)
-    from qatfactory.ship import ship  # noqa: PLC0415 (CLI start)
+    from qatfactory.faces.ship import ship  # noqa: PLC0415 (CLI start)
 
     if args.cmd == "export":
         # refused before the student is even loaded: an output that is not ours, or that is (or

@@ -4,7 +4,7 @@
     row = score(sc, "export/model.gguf", "QAD export")     # llama-perplexity --kl-divergence: KL, ppl, top-1
     files = llama_quantize_files(sc, "q4_k", work, imatrix_texts=train_texts)   # Q4_K_M, Q4_K_M + imatrix
 
-Everything here is measured by llama.cpp's tools on llama.cpp's runtime (qatfactory/llama_tools.py):
+Everything here is measured by llama.cpp's tools on llama.cpp's runtime (qatfactory/faces/llama_tools.py):
 the teacher is the source model converted by llama.cpp's convert_hf_to_gguf.py to F32 (the bf16 weights
 exactly), its logits over the held-out text are saved once (``--kl-divergence-base``), and every GGUF
 is scored against them with ``--kl-divergence`` (mean KL(teacher || model) per token over the second half

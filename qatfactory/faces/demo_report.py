@@ -1,5 +1,5 @@
 """The demo's report: report.md, the PNG plots and the closing summary table, from results.json's
-numbers (qatfactory/demo.py measures them; nothing here computes a metric)."""
+numbers (qatfactory/faces/demo.py measures them; nothing here computes a metric)."""
 from __future__ import annotations
 
 from pathlib import Path
