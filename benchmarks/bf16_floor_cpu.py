@@ -1,6 +1,6 @@
 """How far SmolLM2-135M-Instruct's bf16 forward (transformers, sdpa) is from its own fp32 forward, at 512 and at
-2,048 tokens, on the CPU: the numerical floor below which no engine-vs-student KL can be read (issue 22 asks
-whether sequence length alone explains a 2K KL of 0.019 to vLLM). Run: python benchmarks/bf16_floor_cpu.py
+2,048 tokens, on the CPU: the numerical floor below which no engine-vs-student KL can be read (does
+sequence length alone explain a 2K KL of 0.019 to vLLM?). Run: python benchmarks/bf16_floor_cpu.py
 (~1 min on 2 cores; prints one line per length and the JSON)."""
 import json
 import time

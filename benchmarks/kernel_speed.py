@@ -180,7 +180,7 @@ def main():
                     K.Q4K_MIN_BLOCKS = old
             if not args.quick or fmt in ("nvfp4", "mxfp4"):
                 if big and fmt != "nvfp4":
-                    continue          # keeps the device call short
+                    continue          # keeps the GPU run within its time limit
                 emu = torch.compile(lambda t: f.fake_quantize(t, **kw), dynamic=False)
                 attempt(shape, fmt, "our emulator, torch.compile", lambda: emu(x), 2 * nb)
 

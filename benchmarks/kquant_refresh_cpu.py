@@ -1,5 +1,5 @@
-"""The demo's Q4_K_M QAD on CPU with the k-quant scale search every K optimizer steps (issue 17,
-``quant.kquant_refresh_every``): seconds per step and the trained result, K in {1, 4, 16}.
+"""The demo's Q4_K_M QAD on CPU with the k-quant scale search every K optimizer steps
+(``quant.kquant_refresh_every``): seconds per step and the trained result, K in {1, 4, 16}.
 
     .venv/bin/python benchmarks/kquant_refresh_cpu.py [--k 1,4,16] [--repeat 2] [--threads N] [--out DIR]
 

@@ -37,7 +37,7 @@ Engine checks (need a CUDA device; reported as not run otherwise, never as passe
   The fp8 arm trains with ``--kv-attention`` (default auto = none, the cache write only, since 2026-12-06;
   fa3 / triton: vLLM's FP8 attention arithmetic, formats/kv_attention.py). Its student is then scored
   against every backend's prompt log-probs with each emulation switched in (``nn.kv_cache.set_attention``):
-  fa3, triton, cache only (``none``: the issue-22 emulation before the FP8 attention) and a bf16 cache
+  fa3, triton, cache only (``none``: the cache-only emulation, without the FP8 attention) and a bf16 cache
   (no KV emulation); KL on vLLM's top-K partition (benchmarks/gpu/engines.py). The emulation matches a
   backend when its own rule gives the smallest KL there, near the weight-only cells' KL without a KV cache
   (0.0017 on 2026-12-01).
@@ -161,7 +161,7 @@ def run_arm(a, prep, seq: int, kv: str) -> Dict[str, Any]:
     # the attention rule is part of the arm's name: an arm trained with another emulation is never reused
     rd = a.work / (f"seq{seq}-{kv}" + (f"-{att}" if att != "none" else ""))
     done = rd / "kv_arm.json"
-    if done.exists():           # trained in an earlier device call on the same machine: reuse, never retrain
+    if done.exists():           # trained by an earlier run on the same machine: reuse, never retrain
         res = json.loads(done.read_text())
         say(f"seq {seq} kv {kv}: reused from {done}")
         return res
@@ -407,7 +407,7 @@ def vllm_serve(a, results: List[Dict[str, Any]], prep_by_seq: Dict[int, Dict[str
 
 
 def vs_teacher(teacher_lp, student_lp, served: Dict[str, Any], topk: int, coarse_kl) -> Dict[str, Any]:
-    """Issue 22's second reading: does the served model stand as far from the teacher as the student that was
+    """The second reading: does the served model stand as far from the teacher as the student that was
     trained for it? KL(teacher || X) on X's top-k partition (coarse_kl), for X = each vLLM run (its top-k
     from the engine) and X = the student's own forward (its top-k taken here, the same coarse-graining).
     Per vLLM run: the KL, and 'minus student' = how much further from the teacher the served model is than

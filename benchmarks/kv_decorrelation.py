@@ -1,4 +1,4 @@
-"""Does an FP8 KV cache's rounding stay shared between two forwards that differ a little? Issue 22, CPU.
+"""Does an FP8 KV cache's rounding stay shared between two forwards that differ a little? On a CPU.
 
 vLLM serving our fp8_e4m3 export sat 0.019 nats (KL) from every student variant, its bf16 cache 0.0019 from the
 student's bf16 forward (results/kv_vllm_h100_20261206_bf16_control). The cache write itself is bit-exact: vLLM's own

@@ -1,4 +1,4 @@
-"""Host work of one training step per weight format, in the real trainer (issue 19: why ParetoQ QAT steps
+"""Host work of one training step per weight format, in the real trainer (why ParetoQ QAT steps
 crawled on the H200 while NVFP4 ones did not).
 
 A GPU step of a small model is bound by the host: every aten op is a kernel launch the CPU has to issue,

@@ -10,13 +10,8 @@ beside the peers (plain PyTorch loops, NVIDIA Model Optimizer; benchmarks/step_p
 
 Model: a random Llama, hidden 2048, 16 layers (16 heads, 8 KV heads, MLP 5632, vocab 32000, untied),
 batch 4 x 2048 tokens, bf16, DeepSpeed ZeRO-0 with fused AdamW (FusedAdam), chunked loss, through the
-<<<<<<< HEAD
 real trainer (qatfactory.train.loop.run). ``--before`` adds, beside each QAT/QAD row, the same run with
-issue 17's switchable levers off (QF_WEIGHT_CACHE=0: fq(W) every forward; method.loss.fused=false:
-=======
-real trainer (qatfactory.train.loop.run). ``--before`` adds, beside each QAT/QAD row, the same run with
-issue 17's switchable levers off (train.weight_cache=false: fq(W) every forward; method.loss.fused=false:
->>>>>>> wt-levers
+the switchable step levers off (train.weight_cache=false: fq(W) every forward; method.loss.fused=false:
 autograd per loss chunk; the per-linear launch plan cannot be switched off and is in both), and beside SFT,
 W4A4 and live QAD a "[before: stock DeepSpeed step]" row (train.lean_step=false train.ds_timers=true:
 DeepSpeed's per-parameter bf16 step, one-rank all-reduce and timer syncs; benchmarks/step_counts.py counts
@@ -25,7 +20,7 @@ them). Rows to measure beside the default: ZeRO-1, BF16_Optimizer, lean activati
 ``--model moe``: the same table for a random Qwen3-MoE (model=tiny_qwen3_moe: transformers'
 Qwen3MoeForCausalLM, fused 3-D experts, grouped_mm), same batch. Qwen3-30B-A3B's layer -- hidden 2048,
 32 query / 4 KV heads of 128, experts of width 768, 8 routed per token, top-k weights renormalised --
-with 64 experts (the issue's count, half of the 30B's 128) and 8 layers (of its 48), vocab 32000
+with 64 experts (half of the 30B's 128) and 8 layers (of its 48), vocab 32000
 (the Llama rows'; Qwen3's 151936 would put a 311M head and full-vocabulary logits, not experts, into
 the comparison), untied. Per layer 302M expert + 19M attention parameters, 2.70B in all, 0.52B active
 per token: ~30 TFLOP per training step, attention included. Why this size: QAD with a live teacher
@@ -100,7 +95,7 @@ SHAPE_NAMES = {"llama1b": "random Llama hidden 2048 x 16 layers",
 BEFORE = " [before: weight cache off, unfused loss]"
 BEFORE_OVER = ["method.loss.fused=false", "train.weight_cache=false"]
 HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
-# issue 17, the host work of the step (train/ds_step.py; the same bits, tests/test_step_levers.py): DeepSpeed's
+# the host work of the step (train/ds_step.py; the same bits, tests/test_step_levers.py): DeepSpeed's
 # own bf16 ZeRO-0 step (a host read and copies per parameter), its one-rank all-reduce and throughput timer
 BEFORE_DS = " [before: stock DeepSpeed step]"
 BEFORE_DS_OVER = ["train.lean_step=false", "train.ds_timers=true"]
@@ -120,7 +115,7 @@ def variants(fmt: str, before: bool = False):
         "QAD W4A16 live teacher, grad ckpt": ["method=qad", w16, "train.grad_ckpt=true"],
         "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
         "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
-        # issue 17's DeepSpeed paths and the activation-memory lever (rows to measure beside the default;
+        # the DeepSpeed step paths and the activation-memory lever (rows to measure beside the default;
         # tests/test_step_levers.py, tests/test_lean_act.py say what they compute)
         "bf16 SFT, ZeRO-1": ["method=qat", "format=bf16", "method.eval_teacher=false", "train.zero_stage=1"],
         "bf16 SFT, ZeRO-1 BF16_Optimizer (fp32 grads, immediate update)":
@@ -300,7 +295,7 @@ def loss_memory(args) -> int:
     return 0
 
 
-# the goals of issue 17: (ours, peer, allowed ratio)
+# the step-time goals, ours against a peer: (ours, peer, allowed ratio)
 GOALS = [
     ("QAT W4A16 (CE)", "ModelOpt W4A16 QAT, fp32 masters", 1.0),
     ("QAT W4A4 (CE)", "ModelOpt W4A4 QAT, fp32 masters", 1.0),
@@ -417,7 +412,7 @@ def _common(args):
 
 
 def levers(rows) -> str:
-    """Each variant run with and without issue 17's switchable levers: before, after, the ratio."""
+    """Each variant run with and without the switchable step levers: before, after, the ratio."""
     by = {r["variant"]: r for r in rows if "ms_per_step" in r}
     L = ["| variant | before (what is off) | before ms/step | after ms/step | after / before | before peak GiB "
          "| after peak GiB |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -441,7 +436,7 @@ def report(order, runs, notes, args, versions_line=None) -> str:
          f"interleaved rounds (median of the rounds' medians; spread = min..max over rounds)"
          f"{versions() if versions_line is None else versions_line}", "",
          table(rows), "",
-         "issue 17's levers (each before row turns off what its column says):",
+         "step levers (each before row turns off what its column says):",
          "", levers(rows) or "(no before/after pairs ran)", "",
          f"profile (round 0, {args.profile_steps} steps after the timed ones; GPU busy = union of kernel/copy "
          f"intervals; idle = wall - busy, the host-bound share):", "", step_workers.profile_table(order, runs)]
@@ -498,7 +493,7 @@ def main(argv=None):
     ap.add_argument("--peers", default=None, help="substrings ('|'-separated): only these peers (default: all)")
     ap.add_argument("--skip", default=None, help="substrings: leave out our variants whose name contains one")
     ap.add_argument("--before", action="store_true",
-                    help="add each QAT/QAD variant with the issue-17 levers off (weight cache, fused loss)")
+                    help="add each QAT/QAD variant with the step levers off (weight cache, fused loss)")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps profiled in round 0 (0: none)")
     ap.add_argument("--op-table", default=None,
                     help="a variant substring: its profile also records CPU ops and writes op tables to --out")

@@ -8,7 +8,7 @@ step, in the real trainer run as step.py configures it (benchmarks/lowbit_step.p
 
     python benchmarks/step_counts.py                       # the table (SFT, QAT W4A16, W4A4, live QAD, peer)
     python benchmarks/step_counts.py --variants "SFT" --json out.json
-    python benchmarks/step_counts.py --levers              # also each issue-17 step lever (step.py's rows)
+    python benchmarks/step_counts.py --levers              # also each step lever (step.py's rows)
 
 Model: step.py's Llama at the same depth (16 layers x 7 linears, untied head) and a small width (hidden
 64; op counts depend on the layer count, not the width), batch 4 x 32 with the loss in 4 chunks as at

@@ -1,4 +1,4 @@
-"""Where the memory of a training step goes, decomposed on a CPU and scaled to the H200 shape (issue 17:
+"""Where the memory of a training step goes, decomposed on a CPU and scaled to the H200 shape (why:
 live QAD peaked at 27.2 GiB on the H200, the goal is <= 25 GiB with fp32 masters and fp32 Adam states).
 
     python benchmarks/step_memory.py                  # the decomposition and the predicted peaks (~5 min)

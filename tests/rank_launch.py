@@ -1,6 +1,6 @@
 """Start N rank processes of `qatfactory train` on CPU (gloo) with the environment the deepspeed
 launcher would set (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*): one interpreter per rank and no
-launcher process (issue 23's tests; test_train_resume_ranks.py does the same for a fixed world)."""
+launcher process (the multi-rank trainer tests; test_train_resume_ranks.py does the same for a fixed world)."""
 from __future__ import annotations
 
 import json

@@ -147,9 +147,10 @@ def test_served_attention_scales_are_compared_with_the_exports_layer_by_layer(tm
 
 
 def test_served_and_student_are_read_against_the_teacher_on_the_same_partition():
-    """Issue 22's second reading. With the whole vocabulary as the top-k, the coarse KL is the full KL, which
-    torch's kl_div computes independently; a served model that is the student scores exactly the student's
-    KL (minus 0), one further from the teacher scores more, and the report prints both."""
+    """The second reading: served model and student, each against the teacher. With the whole vocabulary
+    as the top-k, the coarse KL is the full KL, which torch's kl_div computes independently; a served model
+    that is the student scores exactly the student's KL (minus 0), one further from the teacher scores
+    more, and the report prints both."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     try:

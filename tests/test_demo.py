@@ -212,7 +212,7 @@ def test_compute_dtype_follows_the_measurement_and_is_cached(tmp_path, monkeypat
     from qatfactory import cpu
     monkeypatch.setenv("QATFACTORY_CACHE", str(tmp_path))
     monkeypatch.delenv("QATFACTORY_DTYPE", raising=False)
-    speed = {"bfloat16": 0.9, "float32": 34.0}           # the 2-core EPYC without AVX512_BF16
+    speed = {"bfloat16": 0.9, "float32": 34.0}           # a 2-core EPYC without AVX512_BF16
     monkeypatch.setattr(cpu, "matmul_gflops", lambda dt, **k: speed[dt])
     d = cpu.compute_dtype("cpu")
     assert d["dtype"] == "float32" and "emulated" in d["why"] and d["bf16_gflops"] == 0.9

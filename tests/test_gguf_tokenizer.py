@@ -130,7 +130,7 @@ def smollm2_tok():
 def test_real_smollm2_tokenizer_and_chat_template(tmp_path, smollm2_tok):
     cm, res = _export_with(smollm2_tok, tmp_path / "g", 49152)
     info = res.record["tokenizer"]
-    # SmolLM2 adds no BOS (the issue: "llama-bpe" without add_bos_token made llama.cpp prepend <|im_start|>)
+    # SmolLM2 adds no BOS (the bug: "llama-bpe" without add_bos_token made llama.cpp prepend <|im_start|>)
     assert (info["pre"], info["add_bos"], info["add_eos"], info["bos_token"], info["eos_token"]) == \
         ("smollm", False, False, 1, 2)
     rd = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/methods.sh's PACK=1 (what a device call brings back is at most 8 files): everything the
+"""benchmarks/gpu/methods.sh's PACK=1 (what one call to the GPU machine brings back is at most 8 files): everything the
 call writes comes back as one methods.tgz, and nothing already in $OUT is touched."""
 import os
 import subprocess

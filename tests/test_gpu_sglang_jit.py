@@ -1,7 +1,7 @@
 """SGLang's JIT kernels on the H200 (benchmarks/gpu/sglang_jit.py, stage.sh slim-wheel / stage-jit, the warm-up
 in engines_sglang.py): what the carried FlashInfer keeps for the one FlashInfer JIT module SGLang
 builds on our path (`norm`, whose missing norm.cu failed the first H200 run, 2026-12-01), and the built
-caches carried between sessions, which must be refused when another torch/nvcc/GPU built them.
+caches carried from one GPU machine to the next, which must be refused when another torch/nvcc/GPU built them.
 
 The staged-wheel checks use .sglang/ (stage.sh pack-sglang) and nvcc when they are here; the synthetic-wheel
 checks need neither."""
@@ -340,5 +340,5 @@ def test_model_shape_gives_the_jit_template_arguments(tmp_path):
 def test_describe_names_flashinfer_modules_and_where_they_came_from():
     v = {"jit_modules": {"present": [], "built_here": [], "flashinfer_present": ["aot:norm", "jit:sampling"],
                          "flashinfer_built_here": ["jit:sampling"]}}
-    assert ES.describe(v) == ["FlashInfer JIT norm (carried from an earlier session)",
+    assert ES.describe(v) == ["FlashInfer JIT norm (carried from an earlier run)",
                               "FlashInfer JIT sampling (built in this run)"]

@@ -138,7 +138,7 @@ def test_a_tampered_scale_or_config_key_fails_the_gate(tmp_path):
                      ("hf_quant_config.json", lambda o: o["quantization"].pop("kv_cache_quant_algo")),
                      ("config.json", lambda o: o["quantization_config"].update(kv_cache_scheme="int8")),
                      ("qatfactory.json", lambda o: o["kv_cache"].update(format="fp8_e4m3_sglang")),
-                     # issue 22b: the attention rule the student trained with, and the backend flag that runs it
+                     # the attention rule the student trained with, and the backend flag that runs it
                      ("qatfactory.json", lambda o: o["kv_cache"].update(attention="triton")),
                      ("qatfactory.json", lambda o: o["kv_cache"].update(serve_flags="--kv-cache-dtype fp8"))):
         cm, out = _modelopt(tmp_path / f"c{len(path)}{id(fn)}")

@@ -1,4 +1,4 @@
-"""nn/lean_act.py (issue 17, the live-QAD peak): the norms and the MLP product recompute in the backward
+"""nn/lean_act.py (the live-QAD memory peak): the norms and the MLP product recompute in the backward
 what they no longer keep; the forward and every gradient are bit-identical to Hugging Face's modules, and
 what autograd keeps per layer shrinks by the amounts the module docstring states."""
 import copy

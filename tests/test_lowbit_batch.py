@@ -174,7 +174,7 @@ def _scalar_reads(fn) -> int:
 def test_host_syncs_of_the_fake_quant_are_counted(fmt):
     """A scalar read of a device tensor (.item(), bool(), float(), torch.equal) stalls the host until the
     GPU is idle. The fake quant forward + backward of n learnable linears may read one per linear outside
-    the trainer (the finite check of W) and one per batched call inside it; before issue 19's fix it read
+    the trainer (the finite check of W) and one per batched call inside it; an earlier version read
     four per linear (three of them re-checking scales d_of_alpha builds valid by construction)."""
     mods = _Lins(fmt, rows=(8, 24, 40, 16, 32))
     x = torch.randn(2, 128)

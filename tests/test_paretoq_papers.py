@@ -71,7 +71,7 @@ def test_transition_rebuilds_the_trainers_ptq_start_exactly(tmp_path, work):
 
 
 def test_an_arm_cut_by_its_call_is_saved_early_and_reruns_in_the_same_run_dir(tmp_path, monkeypatch):
-    """A device call's time limit can cut a job anywhere. Cut in the diagnostics: the trained arm is already
+    """A GPU job's time limit can cut it anywhere. Cut in the diagnostics: the trained arm is already
     in the JSON (diagnostics 'not finished'). Run again: the finished run is reused, not retrained. Cut in
     the training (no summary.json): the rerun starts it over instead of stopping on the run directory."""
     work = tmp_path / "w"     # its own: the run directory's name is the SEQ smoke arm's
@@ -154,7 +154,7 @@ def test_init_error_smoke(tmp_path):
     assert g["2 (SEQ)"]["mse"] < 0.8 * g["2 (SEQ)"]["paretoq_init"]
 
 
-# ----------------------------------------------------------------------------- one device call per width
+# --------------------------------------------------------------------------------- one GPU job per width
 def _arm_row(bits, fmt, loss="ce", seed=0, ppl=20.0):
     m = {"eval/ppl": ppl, "eval/kl": 0.1, "eval/ce": math.log(ppl)}
     return {"bits": bits, "format": fmt, "loss": loss, "seed": seed, "steps": 5, "lr": 1e-5, "calib": "max",

@@ -162,7 +162,7 @@ def test_a_tiny_warmup_makes_a_random_model_follow_the_answer_format():
     before, _ = _format_rate(model, tok, task, task.eval)
     # 150 steps at 3e-3: greedy decoding of a 64-wide model is all or nothing ('### N' for every prompt or
     # '#### N' for all), and 100 steps at 5e-3 landed on either side with the CPU's float order (passed on
-    # session 37's machine, 0.0 on an AVX2 EPYC). On the EPYC this setting gives 1.0 at model seeds 0-4;
+    # another x86 CPU, 0.0 on an AVX2 EPYC). On the EPYC this setting gives 1.0 at model seeds 0-4;
     # 100 steps at 5e-3 gave 1.0 at one of three, and 200 at two of three (2026-12-07).
     items = R.arith_warmup(150 * 8, [0, 1], 0, R.arith_questions([0], 16, 16))
     info = W.sft_warmup(model, tok, task, items, 150, 3e-3, 8, True, 0)

@@ -235,7 +235,7 @@ def _teacher_run(cap, seed, steps=60, lr=1e-1, out=96, k=2048):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_adamw_on_e8m0_flips_in_lockstep_and_the_default_limit_learns(seed):
-    # issue 18b (the H200 MXFP4 scale arm diverged, NLL 1.70 -> 4.18): every offset whose gradient keeps its
+    # why an H200 MXFP4 scale arm diverged (NLL 1.70 -> 4.18): every offset whose gradient keeps its
     # sign moves lr per step, so all of them reach the E8M0 rounding boundary (|theta| = 1/2) at the same step
     # and every such block doubles or halves at once. Without a limit half the blocks flip and the held-out
     # loss ends far above the base; with the default limit few flip, mostly the whole-step ones, and it falls.

@@ -1,4 +1,4 @@
-"""Issue 17's step levers (train/ds_step.py, the loss's chunk test, the DeepSpeed bf16 paths): each trains
+"""The step levers (train/ds_step.py, the loss's chunk test, the DeepSpeed bf16 paths): each trains
 the same weights as the path it replaces, bit for bit where the computation is the same, within a stated
 bound where DeepSpeed's stages legitimately sum in another order; and the host work they remove is gone
 (counted, not timed).
@@ -130,7 +130,7 @@ def test_zero1_paths_train_zero0s_bits_or_within_the_norms_rounding(tmp_path, mo
     # 4 steps at lr 1e-2: the masters moved up to ~4e-2. Adam cancels the clip factor's rounding itself
     # (~1e-4 relative, so ~1e-6 of a step); what remains is that rounding flipping a bf16 weight, which changes
     # the next steps' gradients. Measured: max 4.9-5.1% of one step, ~0.25% of the masters above 1% of a step
-    # (an AVX2 EPYC, 2026-12-07; under 5% on session 37's machine). Bounded at 10% of a step for the
+    # (an AVX2 EPYC, 2026-12-07; under 5% on another x86 CPU). Bounded at 10% of a step for the
     # worst element and 1% of the masters beyond 1% of a step. A wrong update moves most masters beyond it
     # (measured the same day): no clip 92%, an LR 10% off 98%, one step fewer 99%.
     d = (m1 - m0).abs()

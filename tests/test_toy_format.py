@@ -1,5 +1,5 @@
-"""A new format through the registry alone (issue 15: "a test adds a toy format through the registry alone
-and exports it"). Each toy is defined here, in the test, as a format file would define it: one FormatSpec
+"""A new format through the registry alone: a test adds a toy format and exports it, nothing else
+changed. Each toy is defined here, in the test, as a format file would define it: one FormatSpec
 (its rules and the engine layouts it declares) and one ``register(...)`` call. Nothing in exporters/ or
 kernels/ names it; a tiny model is prepared and converted with it by the real quantize API, exported, and
 the gate (the engines' own libraries and runtimes) must PASS.

@@ -1,4 +1,4 @@
-"""A random Qwen3-MoE through the real trainer (model=tiny_qwen3_moe, issue 17's MoE shape on CPU, fp32):
+"""A random Qwen3-MoE through the real trainer (model=tiny_qwen3_moe, the step benchmark's MoE shape on CPU, fp32):
 the configuration refuses impossible shapes with the field named, QAD and QAT train the fused 3-D
 experts, and the trained student's forward runs its experts on exactly the NVFP4 values that NVIDIA Model Optimizer's
 own NVFP4 quantizer (NVFP4QTensor, one per-tensor scale per expert: vLLM's ``w13_weight_scale_2``) gives

@@ -1,6 +1,6 @@
 """The trainer loses nothing, runs nothing from a checkpoint, and says what is wrong in one line.
 
-Each case of issue 14 for `qatfactory train` / `qatfactory eval`: another run's directory, a user's
+Each case for `qatfactory train` / `qatfactory eval`: another run's directory, a user's
 directory, an export directory that is not ours, a resume with other numerics, a newest checkpoint
 that is incomplete, a torn metrics line, leftovers of an interrupted write, a pickle payload planted
 in a checkpoint, a path planted in trainer_state.json, bad overrides, a failing run, too little of

@@ -1,4 +1,4 @@
-"""Export of a ZeRO-3 student gathered one layer at a time (issue 23; train/stream_export.py).
+"""Export of a ZeRO-3 student gathered one layer at a time (train/stream_export.py).
 
 Two gloo ranks train a tiny quantized Llama under ZeRO-3 (a partitioned live teacher too) with
 ``export.enabled``: the trainer's own end of run gathers the student unit by unit (two decoder layers,

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/unpack_results.py: a device call's methods.tgz into a results folder, as committed."""
+"""benchmarks/gpu/unpack_results.py: one GPU call's methods.tgz into a results folder, as committed."""
 import io
 import json
 import sys

@@ -35,7 +35,7 @@ def _fail(v, *want):
     return got
 
 
-# ------------------------------------------------------------------------------ the issue's first case
+# ------------------------------------------------------------------ a W4A4 student passed off as W4A16
 def test_w4a4_student_exported_as_w4a16_fails(tmp_path):
     """input_scale tensors dropped, quant_algo and qatfactory.json edited to say W4A16: the student
     (W4A4) is the truth, so every module's missing input scale is named."""
@@ -162,7 +162,7 @@ def test_hidden_compressed_tensors_is_incomplete(tmp_path, monkeypatch, cell_id)
 
 
 def test_hidden_compressed_tensors_and_garbled_config_never_pass(tmp_path, monkeypatch):
-    """The issue's case: with compressed-tensors missing every check used to turn into 'skip'."""
+    """The failure guarded against: with compressed-tensors missing every check turned into 'skip'."""
     cm, out = exported(tmp_path, CTN)
     edit_json(out / "config.json", lambda c: c["quantization_config"].update(
         format="garbage", config_groups={"group_0": {"weights": "nonsense"}}))

@@ -16,7 +16,7 @@ packages (compressed-tensors 0.17.0 against our 0.20.1, SGLang's transformers 5.
                           NVFP4 export) through ``sglang.Engine``, one model per process: the same record
                           as vLLM's (W/<cell>/sglang.json + .npz); ``sglang-warm`` builds its JIT kernels
                           ahead (FlashInfer's norm, SGLang's Marlin, activation, RoPE, KV store, positions),
-                          after installing the caches a former session built (sglang_jit.py).
+                          after installing the caches an earlier GPU run built (sglang_jit.py).
 ``report`` (our stack)    each student's own fake-quant forward on the same tokens (bf16, on the GPU):
                           KL(student || vLLM) against KL(student || the same format's PTQ student) on
                           the same top-K partition (vLLM's top-K plus one bucket for the rest of the
@@ -441,7 +441,7 @@ def vllm_one(model_dir: str, tokens_json: str, out_json: str, topk: int, attenti
         res["kv_cache_dtype"] = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
     except Exception as e:
         res["kv_cache_dtype"] = f"(not read: {type(e).__name__})"
-    try:    # the scales the served attention layers hold (issue 22: are they the checkpoint's?)
+    try:    # the scales the served attention layers hold (are they the checkpoint's?)
         res["attention_scales"] = llm.apply_model(_attention_scales)[0]
     except Exception as e:
         res["attention_scales"] = {"(not read)": {"error": f"{type(e).__name__}: {str(e)[:300]}"}}

@@ -3,7 +3,7 @@
 #
 # Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 4 parts, SmolLM2 GGUF parts)
 #              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)
-#              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier session sent
+#              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier GPU run sent
 #                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
 # Then eight back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
 # each call's carry list and size, all under the 64 MiB a call carries; as re-packed on 2026-12-06 (vLLM's zip
@@ -37,21 +37,21 @@
 #                                                 that warm-up, one sglang.Engine for bf16 and one per SGLang cell,
 #                                                 then the report with both engines)
 # Once the vLLM cells are measured (they were on 2026-12-01), call 7 may run `engines.sh kv` instead of `vllm`
-# (issue 22's FP8-attention check; it installs vLLM and starts SGLang's warm-up the same way; ~6 min on
+# (the FP8-attention check of the KV cache; it installs vLLM and starts SGLang's warm-up the same way; ~6 min on
 # 2026-12-03, ~2 min more since each backend is also served with a bf16 cache as the control), and call 3
 # `engines.sh students --cells nvfp4-w4a4-modelopt,llama768-nvfp4-w4a4-modelopt` builds only SGLang's cells
 # (~1.5 min instead of ~3: SmolLM2's, which SGLang's Hopper Marlin cannot run, and the random Llama-768 that it
 # can). The stash calls 4-5 have room for a job of their own (2026-12-03: step.sh in call 4, 254 s; Scale-QLoRA
-# in call 5, `methods.sh run`, 251 s), the machine stays held while one runs.
-# About 20-22 device minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min). Measured
+# in call 5, `methods.sh run`, 251 s), the machine stays warm while one runs.
+# About 20-22 GPU-machine minutes in all, machine starts included (calls 1-7 ~15.5 min; call 8 ~5 min). Measured
 # 2026-12-06 on an H100, with `kv` in call 7, `students --cells llama768-nvfp4-w4a4-modelopt` in call 3 and
-# `sglang --sglang-cells llama768-nvfp4-w4a4-modelopt` in call 8: 832 s of device time for all eight (wall:
+# `sglang --sglang-cells llama768-nvfp4-w4a4-modelopt` in call 8: 832 s of machine time for all eight (wall:
 # preflight 20 s, students 70 s, a pytest in call 4 40 s, kv 446 s, sglang 193 s; no JIT cache carried then).
 # If call 8 stops at its limit (an unexpectedly long JIT build), call it again: models already done are kept,
 # the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
 # model's vllm.json / sglang.json and logs under $WORK, $OUT/sglang_logs.tgz), and the built JIT modules with
 # the stamp of what built them ($OUT/jit-tvmffi.tgz, $OUT/jit-flashinfer.tgz: stage them here with
-# `stage.sh stage-jit` for the next session). `bash benchmarks/gpu/engines.sh report` re-makes the report
+# `stage.sh stage-jit` for the next GPU run). `bash benchmarks/gpu/engines.sh report` re-makes the report
 # from $WORK alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -110,7 +110,7 @@ case $cmd in
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/vllm_logs.tgz" */vllm.log */vllm.json qad-*.log 2>/dev/null) ;;
-    kv)   # issue 22's FP8-attention check in place of the vLLM cells (once they are measured): vLLM installed and
+    kv)   # the KV cache's FP8-attention check in place of the vLLM cells (once they are measured): vLLM installed and
           # SGLang's warm-up started as in `vllm`, then benchmarks/kv_cache.py trains the 2K fp8 arm with the fa3
           # emulation and vLLM serves its export with FLASH_ATTN and TRITON_ATTN (~5 min); all of it in $OUT/kv.tgz
         [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
@@ -138,7 +138,7 @@ case $cmd in
         PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py report --work "$WORK" --out "$OUT" 2>&1 \
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/sglang_logs.tgz" */sglang.log */sglang.json sglang-warm.* 2>/dev/null)
-        # the built JIT modules (.so files + the stamp of what built them) come back, to be carried next time
+        # the built JIT modules (.so files + the stamp of what built them) come back, to be carried by a later GPU run
         # (here: bash benchmarks/gpu/stage.sh stage-jit jit-tvmffi.tgz jit-flashinfer.tgz)
         for kind in tvmffi flashinfer; do
             PYTHONPATH=/tmp/sgsite python3 benchmarks/gpu/sglang_jit.py pack --kind $kind --out "/tmp/jit-$kind.tgz" \

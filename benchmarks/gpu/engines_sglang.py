@@ -311,7 +311,7 @@ def describe(v: Dict[str, Any]) -> List[str]:
     fi_built = set(jit.get("flashinfer_built_here", []))
     for m in jit.get("flashinfer_present", []):
         kind, name = m.split(":", 1)
-        how = "carried from an earlier session" if kind == "aot" else ("built in this run" if m in fi_built else "built earlier")
+        how = "carried from an earlier run" if kind == "aot" else ("built in this run" if m in fi_built else "built earlier")
         out.append(f"FlashInfer JIT {name} ({how})")
     return out
 
@@ -410,7 +410,7 @@ def warm_modules(shape: Optional[Dict[str, int]]):
 
 def warm(a) -> None:
     """Build SGLang's and FlashInfer's JIT modules ahead (CPU-bound nvcc work; the GPU only names the arch and
-    runs one tiny check), after installing the caches an earlier session built (sglang_jit.py unpack: only
+    runs one tiny check), after installing the caches an earlier GPU run built (sglang_jit.py unpack: only
     those whose stamp is this machine's)."""
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@
 #
 # ParetoQ: one bit width, arm or (width, seed) per job, each inside one 600 s call; a job writes
 # only its rows (<job>/paretoq_*.json + its log: 2 of the call's 8 files) and the tables are merged here.
-# Minutes are ESTIMATES (2026-12-01, no GPU run since issue 19's fix): steps x 0.09-0.27 s per SmolLM2 step
-# (host-bound: benchmarks/lowbit_step.py counts ~9,100 launches and ~12 host reads per step after the fix,
+# Minutes are ESTIMATES (2026-12-01, before the low-bit step's host-work fix ran on a GPU): steps x 0.09-0.27 s
+# per SmolLM2 step (host-bound: benchmarks/lowbit_step.py counts ~9,100 launches and ~12 host reads per step after the fix,
 # ~24,000 and 1,331 before, when the H200 took ~0.72 s) + ~1.5 min of load, evaluations and diagnostics per
 # arm; the split's byte model 0.02-0.08 s per step, ~25 s per run besides. Each job's rows record step_ms.
 # Since 2026-12-06 the ParetoQ and paper arms train with FusedAdam at ZeRO-0 (the lean step) instead of torch's
@@ -37,7 +37,7 @@
 #   7  ... run paretoq158;  8  ... run paretoq1                          (the same)
 #   9-12  ... run paretoq_seqlsq_seq0 / _lsq0 / _seq1 / _lsq1           (1,500 steps each, ~4-8.5 min)
 #   13-15 ... run paretoq_split2s0 / paretoq_split4s1 / paretoq_split2s1 (as call 2)
-# Measured on an H100, 2026-12-06 (session 35; results/paretoq_runs_h100_20261206_07/20261206_bits_4_3_1): sharing the GPU does NOT pay for
+# Measured on an H100, 2026-12-06 (results/paretoq_runs_h100_20261206_07/20261206_bits_4_3_1): sharing the GPU does NOT pay for
 # these jobs. One 1,500-step SmolLM2 arm alone trains in 215 s (135-143 ms a step) and its whole job takes
 # 228 s. Three at once (`par`): 450-457 s of training each (~304 ms a step, 1.4x the throughput of one) and
 # then their diagnostics (CPU) did not end in 85 s, so all three were cut at 540 s (16 threads per job on 16
@@ -47,21 +47,18 @@
 # a job run again in the same $WORK reuses an arm that finished with the same overrides (paretoq_common.run_arm)
 # and restarts one cut in training (resume=auto), so a cut job can be finished by the next call of a warm
 # machine. The split's byte model alone: 47-69 ms a step, ~90-100 s an arm (1,200 steps + evaluations).
-# Done by session 37 (H100, 2026-12-06; results/paretoq_runs_h100_20261206_07/20261206_*): the CE sweep at 4, 3, 2, 1.58, 1 bits and
+# Results on an H100, 2026-12-06 (results/paretoq_runs_h100_20261206_07/20261206_*): the CE sweep at 4, 3, 2, 1.58, 1 bits and
 # paretoq3lo; SEQ vs LSQ, both seeds; the split at 0, 0.4, 1 (both seeds) and 0.05, 0.1, 0.2 (seed 0, but 2-bit 0.2);
-# issue 22's readback with the bf16-exact scales. Measured alone on the H100 there: a 1,500-step CE job 179-199 s
+# the KV readback with the bf16-exact scales. Each job alone on that H100: a 1,500-step CE job 179-199 s
 # (101-103 ms a step with FusedAdam), a split arm 70-78 s (38-41 ms a step), the kv job 388 s.
-# Session 36's profile (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
+# Profiled there (PARETOQ_PROFILE=1): a 2-bit SmolLM2 step is 115 ms, the GPU busy 72 ms of it (4,345
 # launches a step): ~40% host-bound.
-# Sessions 38 and 39 got no machine (40 calls, 25 failed starts, 2 x 1,456 device s). Session 40 (H100, 2026-12-07,
-# results/paretoq_runs_h100_20261206_07/20261207_kl_4_3_2_split) ran the first four calls of the plan then: the KL (QAD) sweep at 4, 3, 2 bits and the split's 2-bit
-# f = 0.2 (seed 0). Measured there, each job alone: machine start ~85 s; preflight 36 s; a split arm ~90 s (39 ms a
-# step); the 500-step KL jobs 131 s (with the unquantized row) and 94 s; the 1,500-step KL job 268 s (153 ms a
-# step). The machine was then taken back during call 5 (~15 s lost, the staging with it), and six starts over the
-# next 30 min failed: 90 s each naming nvidia-h100-x1, 180 s naming nvidia-h200, 15 s a refused call. So: check
-# `status` (free) for none_now before each try, name nvidia-h100-x1, space tries ~10 min.
-# Session 41 (H100, 2026-12-07, results/paretoq_runs_h100_20261206_07/20261207_kl_158_1_split_seed1) ran the last of issue 19's design as one lease, after
-# four failed starts (~90 s each) and one refusal (15 s): the machine start took ~380 s of call 1 this time, then
+# Results on an H100, 2026-12-07 (results/paretoq_runs_h100_20261206_07/20261207_kl_4_3_2_split): the KL (QAD) sweep at
+# 4, 3, 2 bits and the split's 2-bit f = 0.2 (seed 0). Each job alone: machine start ~85 s; preflight 36 s; a split arm
+# ~90 s (39 ms a step); the 500-step KL jobs 131 s (with the unquantized row) and 94 s; the 1,500-step KL job 268 s
+# (153 ms a step).
+# The rest of the design on an H100, 2026-12-07 (results/paretoq_runs_h100_20261206_07/20261207_kl_158_1_split_seed1),
+# four calls back to back on one machine:
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
 #     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
 #       bash benchmarks/gpu/methods.sh preflight paretoq_split4s1 paretoq_split2s1                    (188 s)
@@ -70,20 +67,19 @@
 #   3 carry [.gpu/smollm2.gguf.part-ab]
 #     PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq158                          (262 s)
 #   4 PARETOQ_LOSS=kl PACK=1 bash benchmarks/gpu/methods.sh run paretoq1                            (229 s)
-# 1,307 s held (947 s of device time counted). The same shape serves any rerun: staging on calls 1-3, one 1,500-step job per call.
+# The same shape serves any rerun: staging on calls 1-3, one 1,500-step job per call.
 # Optional, not in the design: PARETOQ_LOSS=kl ... run paretoq3lo (the 3-bit arm at the sub-3-bit setting, as QAD).
-# A call cut by the lease's end loses a PACKed call's every file; without PACK each job's folder (2 files) is
-# copied to $OUT as it ends and comes back even if a later job is cut (at most 8 files a call).
-# Issue 22 needs no more device calls. Its readback, for a later check: Lease A of session 36-37 (vLLM's five
-# parts on four quick `stash` calls after `engines.sh preflight`, then `NO_SGLANG_WARM=1 T_KV=510 engines.sh kv`).
+# A call cut short (its time limit, or the machine taken back) loses a PACKed call's every file; without PACK each
+# job's folder (2 files) is copied to $OUT as it ends and comes back even if a later job is cut (at most 8 files a call).
+# The KV readback runs as vLLM's five parts on four quick `stash` calls after `engines.sh preflight`, then
+# `NO_SGLANG_WARM=1 T_KV=510 engines.sh kv`.
 # paretoq2's row is also the SEQ seed-0 arm of SEQ vs LSQ
 # (same overrides, LR 1e-4 both; paretoq_seq_vs_lsq.py --merge takes it from a paretoq_bits.json folder).
 # PACK=1: the call's files come back as one methods.tgz (a call brings back at most 8 files).
-# A machine that will not start still costs ~70-90 device s per try (session 34 lost ~700 s that way): space tries.
-# A machine is held 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
+# A machine lasts 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU: each call's methods.tgz into one results folder (device paths
 # replaced by names, progress bars thinned, nothing overwritten; it prints the job folders D to merge):
-#   python benchmarks/gpu/unpack_results.py --dest benchmarks/results/<gpu>_<date>_s<N> call_a=<files_at>/methods.tgz ...
+#   python benchmarks/gpu/unpack_results.py --dest benchmarks/results/<what>_<gpu>_<date> call_a=<files_at>/methods.tgz ...
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits_h100_20261207
 #   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206
 #   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split_h100_20261207
@@ -133,25 +129,25 @@ EOF
 args_for() {
     local j=$1 d=$WORK/$1 p=$PRESET
     case $j in
-        step)       # issue 17: ours vs plain loops vs Model Optimizer, one model, interleaved (no model files)
+        step)       # ours vs plain loops vs Model Optimizer, one model, interleaved (no model files)
             echo "${T_STEP:-330}|bash benchmarks/gpu/step.sh" ;;
-        scale_qlora)  # issue 18
+        scale_qlora)  # Scale-QLoRA: scale-only adapters vs LoRA on NVFP4 / MXFP4 bases
             [ $p = probe ] && echo "120|$PY benchmarks/papers/scale_qlora.py --out $d --steps 3 --n-train 96 --n-eval 16 --gen-tokens 32" \
                            || echo "${T_SCALE_QLORA:-240}|$PY benchmarks/papers/scale_qlora.py --out $d ${SCALE_ARGS:---n-eval 128 --gen-tokens 160}" ;;
-        qerl)       # issue 20. QERL_ARMS splits the four arms over calls (two per 600-s call, RESULTS.md): each call
+        qerl)       # QeRL. QERL_ARMS splits the four arms over calls (two per 600-s call, RESULTS.md): each call
                     # adds its arms to $WORK/qerl/qerl.json (warm-up and calibration reused on a warm machine, rebuilt
                     # and digest-checked on a fresh one), so the last call's qerl.md has every arm that ran
             [ $p = probe ] && echo "150|$PY benchmarks/papers/qerl.py --out $d-probe --steps 2 --max-new-tokens 48 --warmup-steps 4 --calib-prompts 32 --n-eval 32 --gsm8k-items 8 --arms bf16_lora,nvfp4_lora_aqn; cp $d-probe/qerl.* \$OUT/" \
                            || echo "${T_QERL:-540}|$PY benchmarks/papers/qerl.py --out $d --steps ${QERL_STEPS:-25} --max-new-tokens ${QERL_TOKENS:-64} --arms ${QERL_ARMS:-bf16_lora,nvfp4_lora,nvfp4_lora_aqn,bf16_lora_aqn} --seeds ${QERL_SEEDS:-0} ${QERL_ARGS:-}" ;;
         qerl_merge) # one table and plot from the parts' qerl.json (QERL_PARTS: more of them, e.g. from an earlier machine)
             echo "60|$PY benchmarks/papers/qerl.py --merge $WORK/qerl/qerl.json ${QERL_PARTS:-} --out $d" ;;
-        kv)         # issue 22 (2K only in one call; 8K is --seqs 8192)
+        kv)         # the FP8 KV cache (2K only in one call; 8K is --seqs 8192)
             [ $p = probe ] && echo "120|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs 2048 --steps 2 --eval-seqs 2" \
                            || echo "${T_KV:-240}|$PY benchmarks/kv_cache.py --out $d --work $d/work --seqs ${KV_SEQS:-2048}" ;;
-        paretoq)    # issue 19: the whole C1 bit sweep (CE) in one job: does NOT fit a call, use the jobs below
+        paretoq)    # ParetoQ: the whole C1 bit sweep (CE) in one job: does NOT fit a call, use the jobs below
             [ $p = probe ] && echo "120|$PY benchmarks/papers/paretoq_bits.py --out $d --bits 4 --no-pilot --device cuda" \
                            || echo "${T_PARETOQ:-330}|$PY benchmarks/papers/paretoq_bits.py --out $d --device cuda" ;;
-        paretoq_pilot|paretoq4|paretoq3|paretoq3lo|paretoq2|paretoq158|paretoq1)   # issue 19, C1: one bit width per job
+        paretoq_pilot|paretoq4|paretoq3|paretoq3lo|paretoq2|paretoq158|paretoq1)   # ParetoQ C1: one bit width per job
             # PARETOQ_PROFILE=1: three steps of each arm profiled (GPU busy vs wall: GPU- or host-bound?)
             local a="--out $d --device cuda --rows-only --loss ${PARETOQ_LOSS:-ce}${PARETOQ_PROFILE:+ --step-profile}" pr=""
             [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
@@ -159,23 +155,23 @@ args_for() {
                 paretoq_pilot) a="$a --pilot-only --no-teacher" ;;
                 paretoq4)      a="$a --bits 4" ;;                   # + the unquantized row (teacher)
                 paretoq3)      a="$a --bits 3 --no-teacher" ;;
-                paretoq3lo)    # the ablation session 35's 3-bit row asks for: 3 bits at the setting below 3 bits
+                paretoq3lo)    # the ablation the 3-bit row asks for: 3 bits at the setting below 3 bits
                                a="$a --bits 3 --no-teacher --low-setting --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq2)      a="$a --bits 2 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq158)    a="$a --bits 1.58 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
                 paretoq1)      a="$a --bits 1 --no-teacher --lr-lo ${PARETOQ_LR_LO:-1e-4}" ;;
             esac
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_bits.py $a $pr" ;;
-        paretoq_seqlsq_seq0|paretoq_seqlsq_lsq0|paretoq_seqlsq_seq1|paretoq_seqlsq_lsq1)   # issue 19, 2-bit SEQ vs LSQ
+        paretoq_seqlsq_seq0|paretoq_seqlsq_lsq0|paretoq_seqlsq_seq1|paretoq_seqlsq_lsq1)   # ParetoQ, 2-bit SEQ vs LSQ
             # at the bit sweep's LR below 3 bits, so that paretoq2's row IS the SEQ seed-0 arm (--merge takes it)
             local arm=${j#paretoq_seqlsq_} pr=""
             [ $p = probe ] && pr="--steps ${PARETOQ_PROBE_STEPS:-30}"
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_seq_vs_lsq.py --out $d --device cuda --rows-only --arms ${arm%?} --seed-list ${arm: -1} --lr ${PARETOQ_LR_LO:-1e-4} $pr" ;;
-        paretoq_split4s0|paretoq_split2s0|paretoq_split4s1|paretoq_split2s1)   # issue 19, C2 (no model files)
+        paretoq_split4s0|paretoq_split2s0|paretoq_split4s1|paretoq_split2s1)   # ParetoQ C2 (no model files)
             local sb=${j#paretoq_split} pr=""
             [ $p = probe ] && pr="--budget ${PARETOQ_PROBE_STEPS:-30}"
             echo "${T_PARETOQ:-560}|$PY benchmarks/papers/paretoq_split.py --out $d --device cuda --rows-only --bits ${sb%s*} --seed-list ${sb#*s} ${PARETOQ_FRACTIONS:+--fractions $PARETOQ_FRACTIONS} $pr" ;;
-        papers)     # issue 21: the four findings
+        papers)     # the four paper reproductions (papers.sh)
             # papers.sh stops its own scripts at T_TOTAL (from its start) and then writes the summary: the job's
             # hard limit sits 30 s behind it, and both inside a 600 s call with methods.sh's own ~15 s of staging
             echo "${T_PAPERS:-580}|env PRESET=$p T_TOTAL=${T_TOTAL:-550} bash benchmarks/gpu/papers.sh" ;;
@@ -229,7 +225,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
     par)    # the same jobs at once on the one GPU; each keeps its own timeout; quality tables only: never
             # time anything this way. Each job gets its share of the cores for its CPU threads (torch's
             # intra-op pool, OpenMP, MKL): 16 threads per job on 16 cores left the CPU-side work of three jobs
-            # (the ParetoQ diagnostics rebuild and pack a 135M model on the CPU) >10x slower (session 35)
+            # (the ParetoQ diagnostics rebuild and pack a 135M model on the CPU) >10x slower (an H100, 2026-12-06)
         stash; assets 2>&1 | tee -a "$OUT/methods.log"
         thr=$(( $(nproc) / ($# > 0 ? $# : 1) )); [ "$thr" -ge 1 ] || thr=1
         echo "[methods] par: $# jobs, ${PAR_THREADS:-$thr} CPU threads each" | tee -a "$OUT/methods.log"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The four reproductions of issue 21 (benchmarks/papers/{qad_vs_qat,format_modes,seqlen,lora_memory}.py) in one
+# The four paper reproductions (benchmarks/papers/{qad_vs_qat,format_modes,seqlen,lora_memory}.py) in one
 # device call on one H200, SmolLM2-135M-Instruct, 2 seeds, all four at once (each alone leaves the GPU mostly
 # idle: a 135M model is launch-bound), each with a time budget so that every table is written in time.
 #

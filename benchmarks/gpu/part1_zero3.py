@@ -1,4 +1,4 @@
-"""Part 1 of the GPU pipeline (issue 5; benchmarks/gpu/pipeline.py): ``deepspeed --num_gpus N -m
+"""Part 1 of the GPU pipeline (benchmarks/gpu/pipeline.py): ``deepspeed --num_gpus N -m
 qatfactory.train`` ZeRO-3 QAD (live bf16 teacher, nvfp4_w4a16) of a ~1.1B random Llama-shaped model on
 synthetic tokens. Launch 1 runs all N steps and checkpoints at step k; launch 2 resumes from that
 checkpoint into another run directory and finishes; the losses of steps k+1..N are compared; the final

@@ -1,4 +1,4 @@
-"""Part 2 of the GPU pipeline (issue 7; benchmarks/gpu/pipeline.py): SmolLM2-135M-Instruct from its
+"""Part 2 of the GPU pipeline (benchmarks/gpu/pipeline.py): SmolLM2-135M-Instruct from its
 packaged GGUF (staging.py reassembles it; ``qatfactory.assets.prepare_model_dir`` makes the HF
 directory), the Wikipedia split written by ``qatfactory.faces.demo.prepare_data``, QAD under the deepspeed
 launcher, then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's

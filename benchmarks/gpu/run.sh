@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script every session runs on the GPU machine (repo root, wheels carried in .whl):
+# The general run on the GPU machine: CUDA tests and benchmarks (repo root, wheels carried in .whl):
 #
 #   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"], timeout_s=600)
 #
@@ -13,7 +13,7 @@
 #
 # Knobs (environment): STAGES="tests kernels step export" (default: all four),
 # TEST_PATHS (default "tests"), PYTEST_ARGS (extra pytest arguments, e.g. "-k nvfp4 -x"), BENCH_ARGS (for kernel_speed.py,
-# e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --op-table W4A16"; the whole issue-17 table: benchmarks/gpu/step.sh), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
+# e.g. "--quick"), NO_INSTALL=1 (wheels already in /tmp/site, e.g. a second run.sh in parallel), STEP_ARGS (for step.py, e.g. "--variants SFT,W4A16 --op-table W4A16"; the whole step table: benchmarks/gpu/step.sh), T_TESTS / T_BENCH (per-stage timeouts in seconds; the device call itself
 # is limited to 600 s, so the defaults leave room for the machine's start), T_PIPE (stage pipeline's timeout,
 # default 360; the script's own budget is T_PIPE - 20 so it reports before the kill), PIPE_ARGS (for pipeline.py,
 # e.g. "--parts 1 --p1-steps 8 --p1-ckpt 4").

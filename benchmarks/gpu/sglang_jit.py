@@ -1,5 +1,5 @@
 """SGLang's JIT kernels on the H200: what the carried FlashInfer keeps, what the warm-up builds, and the built
-caches carried from one GPU session to the next (stage.sh pack-sglang / stage-jit, engines.sh).
+caches carried from one GPU machine to the next (stage.sh pack-sglang / stage-jit, engines.sh).
 
 An offline ``sglang.Engine`` (0.5.17, attention_backend="triton", sampling_backend="pytorch",
 grammar_backend="none", CUDA graphs on) compiles two kinds of kernels at first use, read from the wheels'
@@ -18,7 +18,7 @@ source on 2026-12-01:
   the KV-cache store, decode positions) with the template arguments the model's config gives them.
 
 Caches built on the H200 come back as tarballs (engines.sh call 8) holding only the built ``.so`` files and a
-stamp of what built them; a later session carries them (``.sglang/jit``) and ``unpack`` installs them before
+stamp of what built them; a later GPU run carries them (``.sglang/jit``) and ``unpack`` installs them before
 the warm-up only when the stamp equals the machine's own: neither cache key says which torch or nvcc built
 a module (tvm-ffi's build folder names the source hash, GPU arch and tvm-ffi version; FlashInfer's names
 its version and arch, and its ninja check covers command line and file times, not the compiler's

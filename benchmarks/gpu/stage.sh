@@ -17,7 +17,7 @@
 # SGLang (here, after `pack`): bash benchmarks/gpu/stage.sh pack-sglang  (.sglang/: one tar of slimmed
 # wheels cut into parts that ride in the room the six vLLM calls leave, the rest in a stash call before the
 # vLLM call; carry_plan.py decides)
-#   bash benchmarks/gpu/stage.sh stage-jit X.tgz...  # JIT caches an earlier GPU session built and sent back
+#   bash benchmarks/gpu/stage.sh stage-jit X.tgz...  # JIT caches an earlier GPU run built and sent back
 #                                                # ($OUT/jit-*.tgz) -> .sglang/jit, carried before the warm-up,
 #                                                # used there only if built by the same torch/nvcc/GPU/versions
 #   bash benchmarks/gpu/stage.sh slim-wheel WHL  # apply the SGLANG_SLIM rules below to one wheel, in place
@@ -157,7 +157,7 @@ case $cmd in
         bash "$0" plan ;;
     resplit-vllm)
         # the staged vLLM zip cut again in PART_MIB parts, no download (the working tree grows with each
-        # session's results; 58 MiB parts left 0.6 MiB of room on 2026-12-06, so 56 since): the parts are joined,
+        # committed result; 58 MiB parts left 0.6 MiB of room on 2026-12-06, so 56 since): the parts are joined,
         # checked against the manifest's sha256, cut, and the manifest rewritten; then run pack-sglang again
         tmp=$(mktemp -d)
         cat .vllm/vllm.zip.part-* > "$tmp/vllm.zip"
@@ -200,7 +200,7 @@ case $cmd in
         [ -f "${2:-}" ] || { echo "usage: $0 slim-wheel WHEEL" >&2; exit 2; }
         slim_wheel "$2" ;;
     stage-jit)
-        # caches a GPU session sent back ($OUT/jit-tvmffi.tgz, jit-flashinfer.tgz): checked, copied to
+        # caches an earlier GPU run sent back ($OUT/jit-tvmffi.tgz, jit-flashinfer.tgz): checked, copied to
         # .sglang/jit with their sha256 and stamp, then the plan (they ride before the warm-up)
         shift
         mkdir -p .sglang; [ -f .sglang/.gitignore ] || echo '*' > .sglang/.gitignore

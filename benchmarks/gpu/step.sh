@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 in one device call: our training step (before / after the step levers) beside the peers
+# The step-time benchmark in one device call: our training step (before / after the step levers) beside the peers
 # (plain PyTorch loops, NVIDIA Model Optimizer QAT W4A16 / W4A4 and QAD), interleaved rounds, with a
 # GPU-busy-vs-wall profile per variant. About 6 minutes:
 #
@@ -9,7 +9,7 @@
 # 2. builds DeepSpeed's FusedAdam in the background while the GPU checks of the weight cache run:
 #    pytest -m cuda tests/test_weight_cache_cuda.py (kept fq(W) == per-forward fq(W), bit for bit, on the
 #    kernels with batched fills)                            -> $OUT/step_pytest_cuda.log
-# 3. benchmarks/step.py with --before and the peers on the issue's Llama shape (hidden 2048, 16 layers,
+# 3. benchmarks/step.py with --before and the peers on the benchmark's Llama shape (hidden 2048, 16 layers,
 #    16/8 heads, MLP 5632, vocab 32000, batch 4 x 2048, bf16), rounds until TOTAL seconds from the start
 #    are spent                                              -> $OUT/step.md, step.json, step_bench.log,
 #                                                              step_worker_{ours,peer}.log
@@ -19,7 +19,7 @@
 #    DeepSpeed paths "bf16 SFT, ZeRO-1" and "... BF16_Optimizer (fp32 grads, immediate update)"; the memory
 #    lever "QAD W4A16 live teacher, lean activations". The weight-cache / fused-loss before rows (measured
 #    2026-12-01) are skipped: SKIP='grad ckpt|LoRA' brings them back (4 more jobs).
-# The MoE table (issue 17: Qwen3-MoE-like, 64 experts, top-8; the shape and why: benchmarks/step.py) is a
+# The MoE table (Qwen3-MoE-like, 64 experts, top-8; the shape and why: benchmarks/step.py) is a
 # second call of its own, about 8 minutes (TOTAL 480 s; one call stays under 600 s):
 #
 #   run(command="MODEL=moe bash benchmarks/gpu/step.sh", carry=[".whl"], timeout_s=600)
@@ -30,7 +30,7 @@
 # the ZeRO-1 / lean-activation rows (SKIP replaces the default; lean activations patch Llama MLPs only). Its jobs
 # should take 5-20 s each once warm (2.70B parameters, a few hundred ms per step expected; Model
 # Optimizer's eager expert loop the slowest): estimates, not yet measured on a GPU; rounds stop at TOTAL.
-# On a CPU, to check the script end to end before spending device time (measures nothing):
+# On a CPU, to check the script end to end before a GPU run (measures nothing):
 #   DEVICE=cpu TINY=1 bash benchmarks/gpu/step.sh          # MODEL=moe: the CPU-sized MoE (moe_smoke)
 # Knobs: MODEL (llama1b | moe), TOTAL (default 345 s, MODEL=moe 480 s: the whole call), STEPS (8), WARMUP (3),
 # REPEAT (3), PROFILE_STEPS (2), FORMAT (nvfp4), BEFORE (1 for llama1b, 0 for moe), SKIP (our rows left out;

@@ -7,7 +7,7 @@ latent-weight change and the fraction of weights whose quantization bin left its
     python benchmarks/papers/paretoq_bits.py --loss both --out benchmarks/results/paretoq_bits_h100_20261207   # + the KL pass
     python benchmarks/papers/paretoq_bits.py --smoke --out /tmp/pq-bits                        # CPU, tiny random Llama
 
-One device call of 10 minutes holds one bit width (benchmarks/gpu/methods.sh: jobs paretoq_pilot, paretoq4,
+One 10-minute GPU job holds one bit width (benchmarks/gpu/methods.sh: jobs paretoq_pilot, paretoq4,
 paretoq3, paretoq2, paretoq158, paretoq1): ``--bits 2 --lr-lo 2e-5 --no-teacher --rows-only --out D2`` writes
 only D2/paretoq_bits.json (its arms); ``--pilot-only`` runs the LR pilot alone. Then, anywhere (no GPU):
 
@@ -147,7 +147,7 @@ def run_arm(s, data, smoke, work, bits, recipe, fmt, loss, steps, lr, seed=0, ca
     prof = None
     if s.get("step_profile"):
         sys.path.insert(0, str(C.REPO / "benchmarks"))
-        from step_profile import StepProfile      # benchmarks/step_profile.py (issue 17's)
+        from step_profile import StepProfile      # benchmarks/step_profile.py
         prof = StepProfile(skip=max(1, min(20, steps - 4)), steps=3, device=s["device"])
         with prof:
             sm = C.run_arm(over)

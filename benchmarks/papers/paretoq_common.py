@@ -94,7 +94,7 @@ def run_arm(overrides: Sequence[str]) -> Dict[str, Any]:
     """One trainer run (compose + run, shipped when it asks for an export, engine released); returns
     its summary.
 
-    Rerunnable on the same run_dir, which a device call cut by its time limit needs: a run that ended with
+    Rerunnable on the same run_dir, which a GPU job cut by its time limit needs: a run that ended with
     exactly these overrides (its summary.json beside our record of them, OVERRIDES_FILE) is not trained
     again, its summary is read back with the student at run_dir/student; a run cut before its end is handed
     to the trainer with resume=auto (it continues from a checkpoint, or starts over when it saved none). A

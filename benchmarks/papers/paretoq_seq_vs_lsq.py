@@ -8,7 +8,7 @@ would leave the -2 level unused), same steps, LR and data, two seeds.
 ParetoQ's claim: SEQ beats LSQ at 2 bits; at this budget the difference may be a few % of PPL, hence the seeds.
 Writes ``paretoq_seq_vs_lsq.json``, ``.md`` and ``.png``.
 
-One device call per arm and seed (benchmarks/gpu/methods.sh jobs paretoq_seqlsq_seq0, _lsq0, _seq1, _lsq1):
+One GPU job per arm and seed (benchmarks/gpu/methods.sh jobs paretoq_seqlsq_seq0, _lsq0, _seq1, _lsq1):
 ``--arms seq --seed-list 0 --rows-only --out D`` writes D/paretoq_seq_vs_lsq.json only; then, anywhere,
 ``--merge D1 D2 ... --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206`` builds the table from every arm present.
 """

@@ -16,7 +16,7 @@ tokens; peak LR 2e-3 cosine (FP phase), 2e-4 fresh cosine (QAT phase); f in {0, 
 articles) of the quantized model, and of the FP model at the switch. Every arm is one trainer run.
 Writes ``paretoq_split.json``, ``.md`` and ``.png``.
 
-One device call per bit width and seed (benchmarks/gpu/methods.sh jobs paretoq_split4s0, _split2s0,
+One GPU job per bit width and seed (benchmarks/gpu/methods.sh jobs paretoq_split4s0, _split2s0,
 _split4s1, _split2s1): ``--bits 4 --seed-list 0 --rows-only --out D`` writes D/paretoq_split.json only; then,
 anywhere, ``--merge D1 D2 ... --out benchmarks/results/paretoq_split_h100_20261207`` builds the table from every arm present.
 """
@@ -186,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prepare-only", action="store_true", help="write the data files into --work, then stop")
     ap.add_argument("--seed-list", default=None, help="comma-separated seeds to run (default: 0 .. seeds - 1)")
     ap.add_argument("--fractions", default=None, help="comma-separated QAT fractions to run (default: the design's "
-                    "0, 0.05, 0.1, 0.2, 0.4, 1; a subset lets one width and seed take two device calls)")
+                    "0, 0.05, 0.1, 0.2, 0.4, 1; a subset lets one width and seed take two GPU jobs)")
     ap.add_argument("--rows-only", action="store_true", help="write the JSON only; --merge builds the table")
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
                     help="no runs: the table from these directories' (or files') paretoq_split.json")

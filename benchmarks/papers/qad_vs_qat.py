@@ -47,7 +47,7 @@ def preset(smoke: bool) -> Dict[str, Any]:
                     limits={"wiki_train": 30_000, "austen_train": 20_000, "wiki_ho": 3_000, "austen_ho": 3_000,
                             "gsm_text": 3_000}, warmup=0)
     # 0.33M tokens per arm (80 x 8 x 512): sized so that the four scripts, run at once on one H200 by
-    # benchmarks/gpu/papers.sh, fit in a 10-minute device call (--steps raises it when there is time)
+    # benchmarks/gpu/papers.sh, fit in a 10-minute GPU job (--steps raises it when there is time)
     return dict(steps=80, micro=8, seq=512, lr=5e-5, eval_every=20, trainer_eval=8, eval_seq=1024, eval_windows=12,
                 limits={"wiki_train": 800_000, "austen_train": 800_000}, warmup=5)
 

@@ -24,13 +24,13 @@ its own "arith-warmup" streams and filtered against every RL prompt and held-out
 (and any seed asked for) at every level. The warmed-up model is saved once (``<out>/warmup``, with its
 SHA-256) and every arm starts from it: the bf16 arms as it is, the NVFP4 arms from its PTQ. It is
 reused by a later call with the same settings (same digest checked), so the arms can be split over
-device calls; ``--merge`` refuses parts whose warm-up digests or levels differ.
+separate GPU jobs; ``--merge`` refuses parts whose warm-up digests or levels differ.
 
 Task: the generated arithmetic word problems (train/rl/rewards.py) at the level whose pass rate of the
 warmed-up bf16 model (T = 1, ``--calib-prompts`` training prompts, one sample each) is the first in
 ``--band`` (default 20-60 %: a group of 8 then has mixed rewards with probability >= 0.83); a level
 where nothing is ever right fails the run with a clear message (NoSignal) instead of spending the
-device call on an all-zero run. Reward 0.2 format + 2.0 exact numeric match in the
+GPU job on an all-zero run. Reward 0.2 format + 2.0 exact numeric match in the
 ``<think>..</think><answer>N</answer>`` format (system prompt attached).
 
 Reported: the warm-up's loss (first -> last steps) and its effect (format and pass rate, greedy and

@@ -21,7 +21,7 @@ Full fine-tuning, fp32 master weights (the model is cast back to its dtype at th
 bf16 autocast where the device is fast at bf16 (GPUs; CPUs with AMX/AVX512-BF16, qatfactory.cpu),
 AdamW, a linear ramp over the first 10 % of the steps then cosine to 10 % of the rate, gradient norm
 clipped at 1. The example order is a seeded permutation; ``deterministic=True`` also asks torch for
-deterministic kernels (so two device calls rebuild the same warm-up; the callers record its SHA-256).
+deterministic kernels (so two separate runs rebuild the same warm-up; the callers record its SHA-256).
 """
 from __future__ import annotations
 
