@@ -137,6 +137,9 @@ def test_a_plugin_registers_a_typed_options_block_named_in_errors_and_help(text,
         with pytest.raises(UsageError) as e:
             compose(["plugins=[toy_method]", "method=toy_keyed", bad], check_files=False)
         assert allowed in str(e.value), str(e.value)
+    # a plugin imported for another run in this process adds nothing to a run that does not name it (its
+    # settings, resumed or evaluated later, must not depend on what else the process imported)
+    assert not hasattr(compose(["method=qad"], check_files=False).method, "toy")
     n = _cli("train", "method=qad", "method.toy.note=x", "--cfg", "job")      # no plugin imported: no block
     assert n.returncode == 3 and "Key 'toy' not in 'MethodConfig'" in n.stderr, n.stderr[-1000:]
     h = _cli("train", "plugins=[toy_method]", "method=toy_keyed", "--help")

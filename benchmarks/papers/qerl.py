@@ -220,7 +220,8 @@ def warmup_effect(args, base: List[str], wdir: str, levels: List[int]) -> Dict:
         ctx = _Null()
         if when == "after_nvfp4":
             pool = make_task("arith", r.answer_format, levels[-1], n_train=cfg.method.calib_samples, n_eval=1, seed=0)
-            model = quantize_base(model, cfg, prompt_ids(tok, pool, pool.train, r.chat_template), dev)
+            model = quantize_base(model, cfg.quant, cfg.method, prompt_ids(tok, pool, pool.train, r.chat_template), dev,
+                                  True)
             ctx = AD.serving_weights(model)
         with ctx:
             for lv in levels:

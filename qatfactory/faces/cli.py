@@ -267,10 +267,12 @@ def _eval_config(path: Path, out: Optional[str], rest: List[str]):
         # a run composed when random tokens won over data.train: it trained on random tokens, evaluate on them
         d["data"] = {**dd, "train": []}
     try:
-        if given:     # their methods' option blocks are part of the schema the settings are read with
+        plugins = list(OmegaConf.from_dotlist(given[-1:]).get("plugins") or []) if given else []
+        if plugins:     # their methods' option blocks are part of the schema the settings are read with
             from ..train.methods import load_plugins  # noqa: PLC0415 (CLI start)
-            load_plugins(list(OmegaConf.from_dotlist(given[-1:]).get("plugins") or []))
-        node = OmegaConf.merge(OmegaConf.structured(run_schema()), OmegaConf.create(d), OmegaConf.from_dotlist(rest))
+            load_plugins(plugins)
+        node = OmegaConf.merge(OmegaConf.structured(run_schema(plugins)), OmegaConf.create(d),
+                               OmegaConf.from_dotlist(rest))
         cfg = validate(OmegaConf.to_object(node))
     except ValueError as e:
         raise UsageError(f"qatfactory eval: {e}") from None

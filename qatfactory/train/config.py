@@ -197,13 +197,17 @@ class RunConfig:
 _SCHEMAS: Dict[tuple, type] = {}
 
 
-def run_schema() -> type:
-    """The RunConfig class of the methods registered now: ``method`` gains one typed block per method
-    that registered options under a key (``method.rl``, ``method.scale``, a plugin's own), so a wrong
-    key or type there is named while composing, like any other field."""
+def run_schema(plugins: Optional[List[str]] = None) -> type:
+    """The RunConfig class of a run: ``method`` gains one typed block per method that registered options
+    under a key (``method.rl``, ``method.scale``, a plugin's own), so a wrong key or type there is named
+    while composing, like any other field. The blocks are the built-in methods' and those of the modules
+    the run names in ``plugins`` (a plugin imported for another run in the same process adds nothing)."""
+    names = [str(p) for p in plugins or []]
     blocks = {}
     for cls in M.REGISTRY.values():
-        if cls.options is not None and cls.options_key:
+        mod = cls.__module__
+        own = mod.startswith(M.__name__ + ".") or any(mod == p or mod.startswith(p + ".") for p in names)
+        if own and cls.options is not None and cls.options_key:
             have = blocks.setdefault(cls.options_key, cls.options)
             if have is not cls.options:
                 raise ValueError(f"method {cls.name!r}: options key method.{cls.options_key} is already "
@@ -400,7 +404,7 @@ def _override_message(e: BaseException) -> str:
     return text
 
 
-def _plugin_recipes(overrides: List[str]) -> None:
+def _plugin_recipes(overrides: List[str]) -> List[str]:
     """Import the ``plugins=[...]`` of the command line, then make each registered method without a
     recipe file selectable as ``method=<name>`` through its Method.recipe (Hydra's ConfigStore)."""
     mods: List[str] = []
@@ -414,8 +418,9 @@ def _plugin_recipes(overrides: List[str]) -> None:
         if name not in files:
             cs.store(group="method", name=name, package="_global_",
                      node=cls.recipe if cls.recipe is not None else {"method": {"name": name}})
-    # the schema of the methods registered now (a plugin's typed options block included)
-    cs.store(name="run_schema", node=run_schema())
+    # the schema of this run's methods (the plugins it names included)
+    cs.store(name="run_schema", node=run_schema(mods))
+    return mods
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "config", check_files: bool = True) -> RunConfig:
@@ -428,12 +433,12 @@ def compose(overrides: Optional[List[str]] = None, config_name: str = "config", 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
-        _plugin_recipes(list(overrides or []))
+        plugins = _plugin_recipes(list(overrides or []))
         # data.train=[...] selects your files; whether random tokens were asked for by name
         overrides, asked_synthetic = CC.data_selection(list(overrides or []))
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             node = hcompose(config_name=config_name, overrides=overrides)
-        schema = OmegaConf.structured(run_schema())
+        schema = OmegaConf.structured(run_schema(plugins))
         OmegaConf.set_struct(schema, True)      # a key the schema does not have is an error, not ignored
         OmegaConf.set_struct(schema.method.options, False)   # a plugin's options: checked by its own schema
         node = OmegaConf.merge(schema, OmegaConf.create(OmegaConf.to_container(node, resolve=True)))
@@ -513,5 +518,5 @@ def to_overrides(cfg: RunConfig, groups: List[str]) -> List[str]:
 
 
 def from_dict(d: Dict[str, Any]) -> RunConfig:
-    node = OmegaConf.merge(OmegaConf.structured(run_schema()), OmegaConf.create(d))
+    node = OmegaConf.merge(OmegaConf.structured(run_schema(d.get("plugins"))), OmegaConf.create(d))
     return validate(OmegaConf.to_object(node))

@@ -152,7 +152,7 @@ def summary_text(summary: Dict, keys: Sequence[str] = ("kl", "ce", "ppl", "top1"
             fa = "-" if a is None else f"{a:.5g}"
             fb = "-" if b is None else f"{b:.5g}"
             lines.append(f"{'eval/' + k:20s}{fa:>12s}{fb:>12s}")
-    for k, label in (("student_dir", "student"), ("adapter_dir", "adapter"), ("scale_file", "scale_file"),
+    for k, label in (("student_dir", "student"), ("adapter_dir", "adapter_dir"), ("scale_file", "scale_file"),
                      ("merge_kl_to_trained", "merge_kl_to_trained")):
         if summary.get(k) is not None:
             lines.append(f"{label}: {summary[k]}")
