@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py $(CONSTRAINTS) | cksum | cut -d
 # pin the CPU torch in the same pip call: an unpinned torch would pull a multi-GB CUDA build
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist): one per core of the CI machine; each test file stays on one worker, so its
+# module fixtures are built once; one OpenMP thread each, so two workers do not oversubscribe two cores.
+# PYTEST_WORKERS=0 runs in this process (pdb, -s)
+PYTEST_WORKERS ?= 2
 
 .PHONY: install lock llama-cpp test demo test-gpu bench-cpu clean
 
@@ -30,7 +34,7 @@ llama-cpp: install
 
 test: install llama-cpp
 	$(BIN)/ruff check qatfactory exporters
-	$(BIN)/python -m pytest -q -m "not cuda and not multi_gpu" tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m "not cuda and not multi_gpu" -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests $(PYTEST_ARGS)
 
 demo: install llama-cpp
 	$(BIN)/qatfactory demo

@@ -43,6 +43,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",   # make test runs the suite on two workers (the CI machine's two cores)
             "setuptools>=70.1",   # tests/test_packaging.py builds the wheel in this environment (bdist_wheel built in)
             "ruff==0.17.6",   # make test: pyflakes rules over the package (ruff.toml)
             "ml_dtypes>=0.5",
