@@ -26,7 +26,7 @@ optimizer keeps them), phase by phase:
   as ``gemm_workspace_before_base``;
 * measured peak: torch.cuda.max_memory_allocated over the step; ``other`` = measured peak - the sum of
   the parts (the parts do not all live at the same moment, so ``other`` can be negative);
-* the trainer's own peak (torch.cuda.max_memory_allocated over a 2-step run of ``engine.run`` with the same
+* the trainer's own peak (torch.cuda.max_memory_allocated over a 2-step run of ``loop.run`` with the same
   settings) beside it. On a CPU nothing is measured by an allocator: only the counted parts are reported.
 
 Writes ``lora_memory.md`` / ``.json`` / ``.png`` into --out.

@@ -287,7 +287,7 @@ def prepare(cfg: RunConfig, rank: int, world: int, eval_only: bool = False) -> T
         try:
             d = Path(cfg.run_dir) if cfg.run_dir is not None else _fresh_name(cfg)
             # a training run holds its directory from before the first check to its end (runlock.held in
-            # engine.run); only a directory a run may use is locked (the lock file goes into it)
+            # loop.run); only a directory a run may use is locked (the lock file goes into it)
             k = _kind(d)
             if not eval_only and (k in ("missing", "empty", "run") or (k is None and d.is_dir() and _legacy_run(d))):
                 runlock.acquire(d)
