@@ -1,4 +1,4 @@
-"""The GPU test entry (`pytest -m cuda tests` in benchmarks/gpu/run.sh) runs on an image without the
+"""The GPU test entry (`pytest -m cuda tests` in tools/gpu/run.sh) runs on an image without the
 CPU-only test dependencies: collecting tests/ there must not stop at an import, and no CUDA test may be
 lost because another package is missing. Proven by collecting in a child process in which those packages
 cannot be found (a sitecustomize on PYTHONPATH hides them from the path finder, as if never installed)."""

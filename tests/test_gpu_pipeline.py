@@ -18,10 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import part1_zero3  # noqa: E402
 import pipeline  # noqa: E402
 import staging  # noqa: E402
-from supervise import PipelineError  # noqa: E402
+from staging import PipelineError  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- parts and checksums
@@ -124,7 +125,8 @@ def test_the_run_state_lives_in_supervise_alone():
     import supervise
     shared = {"T0", "_CHILDREN", "_CHILD_LOCK", "REC_LOCK"}
     for name in ("staging", "launches", "part1_zero3", "part2_smollm2", "pipeline_report", "pipeline"):
-        tree = ast.parse((REPO / "benchmarks" / "gpu" / f"{name}.py").read_text())
+        folder = REPO / "tools" / "gpu" if name == "staging" else REPO / "benchmarks" / "gpu"
+        tree = ast.parse((folder / f"{name}.py").read_text())
         assigned = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
         assert not assigned & shared, (name, assigned & shared)
@@ -134,7 +136,7 @@ def test_the_run_state_lives_in_supervise_alone():
 
 def test_staging_imports_no_torch():
     """`pipeline.sh stash` imports staging on the GPU machine before any wheel is installed."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks/gpu'); import staging; "
+    code = ("import sys; sys.path.insert(0, 'tools/gpu'); import staging; "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

@@ -1,4 +1,4 @@
-"""SGLang on the H200 (benchmarks/gpu/carry_plan.py, engines_sglang.py, engines.py's SGLang rows):
+"""SGLang on the H200 (tools/gpu/carry_plan.py, engines_sglang.py, engines.py's SGLang rows):
 everything of it that runs without a GPU or SGLang. The carry plan (parts fill the room the vLLM calls
 leave, every call under 64 MiB), the bundle's split/reassembly and the tampering it must catch, the
 parsing of SGLang's prompt log-probabilities into vLLM's layout, the per-model orchestration (records,
@@ -16,6 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import carry_plan as CP  # noqa: E402
 import engines  # noqa: E402
 import engines_sglang as ES  # noqa: E402

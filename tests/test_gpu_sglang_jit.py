@@ -22,6 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import carry_plan as CP  # noqa: E402
 import engines_sglang as ES  # noqa: E402
 import sglang_jit as J  # noqa: E402
@@ -71,7 +72,7 @@ def test_stage_sh_slims_flashinfer_to_what_its_norm_module_builds_from(tmp_path)
     FlashInfer's: norm.cu, what it includes (conditions ignored) and CCCL stay; the rest of flashinfer/data
     goes; nothing outside it is touched."""
     whl = _wheel(tmp_path / FI_WHEEL, SYNTH)
-    r = subprocess.run(["bash", "benchmarks/gpu/stage.sh", "slim-wheel", str(whl)], cwd=REPO, capture_output=True,
+    r = subprocess.run(["bash", "tools/gpu/stage.sh", "slim-wheel", str(whl)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     names = set(zipfile.ZipFile(whl).namelist())
@@ -84,14 +85,14 @@ def test_stage_sh_still_slims_the_other_wheels_by_pattern(tmp_path):
     whl = _wheel(tmp_path / "sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl",
                  {"sgl_kernel/flash_ops.abi3.so": "x", "sgl_kernel/sm100/common_ops.abi3.so": "x",
                   "sgl_kernel/sm90/common_ops.abi3.so": "x", "sgl_kernel/elementwise.py": "x"})
-    r = subprocess.run(["bash", "benchmarks/gpu/stage.sh", "slim-wheel", str(whl)], cwd=REPO, capture_output=True,
+    r = subprocess.run(["bash", "tools/gpu/stage.sh", "slim-wheel", str(whl)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert set(zipfile.ZipFile(whl).namelist()) == {"sgl_kernel/sm90/common_ops.abi3.so", "sgl_kernel/elementwise.py"}
 
 
 def test_stage_sh_keeps_every_flashinfer_module_it_names_and_only_known_ones():
-    text = (REPO / "benchmarks/gpu/stage.sh").read_text()
+    text = (REPO / "tools/gpu/stage.sh").read_text()
     m = re.search(r"^SGLANG_KEEP_FLASHINFER=\(([^)]*)\)", text, re.M)
     assert m, "stage.sh has no SGLANG_KEEP_FLASHINFER: FlashInfer would be carried without its JIT sources"
     keep = dict(x.strip('"').split(":", 1) for x in m.group(1).split())
@@ -117,7 +118,7 @@ def test_include_closure_follows_includes_and_says_what_it_could_not_find():
 # ------------------------------------------------------------------ the staged wheels (pack-sglang), if here
 def _staged_wheels(tmp_path: Path) -> Path:
     if not (REPO / CP.SGLANG_DIR / CP.MANIFEST).exists():
-        pytest.skip("no .sglang/ staged here (bash benchmarks/gpu/stage.sh pack-sglang): the synthetic-wheel "
+        pytest.skip("no .sglang/ staged here (bash tools/gpu/stage.sh pack-sglang): the synthetic-wheel "
                     "tests above check the slim rule without it")
     man = json.loads((REPO / CP.SGLANG_DIR / CP.MANIFEST).read_text())
     out = tmp_path / "w"
@@ -290,7 +291,7 @@ def test_repack_legacy_and_stage_record_what_is_carried(tmp_path):
 def test_the_staged_tvmffi_cache_is_the_first_runs_marlin(tmp_path):
     man_p = REPO / J.JIT_DIR / J.JIT_MANIFEST
     if not man_p.exists():
-        pytest.skip("no .sglang/jit staged here (bash benchmarks/gpu/stage.sh stage-jit)")
+        pytest.skip("no .sglang/jit staged here (bash tools/gpu/stage.sh stage-jit)")
     man = json.loads(man_p.read_text())
     for kind, c in man["caches"].items():
         assert hashlib.sha256((REPO / J.JIT_DIR / c["file"]).read_bytes()).hexdigest() == c["sha256"]

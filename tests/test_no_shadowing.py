@@ -1,6 +1,6 @@
 """No helper module of ours may take the name of a real package.
 
-Tests and scripts put tests/, scripts/ and the benchmark folders first on sys.path (a script's own folder
+Tests and scripts put tests/, scripts/, the benchmark folders and tools/gpu first on sys.path (a script's own folder
 is always first). A file there named like an installed distribution's module, or like a package that
 transformers probes for, is imported in its place: transformers 5.25 found `kernels` installed, imported
 `benchmarks/kernels.py` instead, and 432 tests failed in CI. This test fails on the next such name.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ON_PATH = ["tests", "scripts", "benchmarks", "benchmarks/gpu", "benchmarks/papers"]
+ON_PATH = ["tests", "scripts", "benchmarks", "benchmarks/gpu", "benchmarks/papers", "tools/gpu"]
 
 
 def _our_modules():

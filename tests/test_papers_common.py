@@ -123,7 +123,7 @@ def test_offline_prepare_stages_every_asset_the_gpu_run_reads(tmp_path, monkeypa
     are the pipeline's own tests' business: stubbed here."""
     import json
     import shutil
-    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
     import staging
     from qatfactory import assets
     carried = tmp_path / "carried" / "assets"

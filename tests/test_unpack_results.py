@@ -1,4 +1,4 @@
-"""benchmarks/gpu/unpack_results.py: one GPU call's methods.tgz into a results folder, as committed."""
+"""tools/gpu/unpack_results.py: one GPU call's methods.tgz into a results folder, as committed."""
 import io
 import json
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import unpack_results as U  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 # in one device call: SmolLM2-135M-Instruct, several processes at once on one GPU (a 135M model leaves most of it
 # idle), each with a time budget, then one merged table and KL-vs-tokens plot.
 #
-# Here, once:   bash benchmarks/gpu/stage.sh pack && bash benchmarks/gpu/papers.sh pack     # .whl, .gpu/
+# Here, once:   bash tools/gpu/stage.sh pack && bash benchmarks/gpu/papers.sh pack     # .whl, .gpu/
 # There, three back-to-back calls (the machine keeps /tmp between warm calls):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]   bash benchmarks/gpu/accuracy.sh stash
 #   2 carry [.gpu/smollm2.gguf.part-aa]                         bash benchmarks/gpu/accuracy.sh stash
@@ -47,8 +47,8 @@ case $cmd in
         mkdir -p "$OUT/accuracy" "$WORK"
         if [ -z "$SMOKE" ]; then
             [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
-            bash benchmarks/gpu/stage.sh stash >/dev/null
-            [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours || exit 1
+            bash tools/gpu/stage.sh stash >/dev/null
+            [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours || exit 1
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/accuracy/gpu.txt" 2>&1
         fi
         prep=()

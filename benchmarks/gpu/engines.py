@@ -3,7 +3,7 @@
 Phases, each in its own process and Python path, because the engines pin other versions of shared
 packages (compressed-tensors 0.17.0 against our 0.20.1, SGLang's transformers 5.12.1 against 5.17):
 
-``students`` (our stack)  SmolLM2-135M-Instruct from its packaged GGUF (benchmarks/gpu/stage.sh carries it)
+``students`` (our stack)  SmolLM2-135M-Instruct from its packaged GGUF (tools/gpu/stage.sh carries it)
                           -> per format a PTQ student (prepare + calibrate) and a QAD student (the trainer,
                           ``python -m qatfactory.train``) -> the exports of every cell; a tiny random
                           Qwen3-MoE student for the MoE path. Held-out token ids and greedy prompts are
@@ -99,7 +99,7 @@ def _ns(**kw):
 
 def prepare_model_and_data(a) -> Dict[str, Any]:
     """SmolLM2 HF dir (from the carried GGUF parts, sha256-checked) and the Wikipedia files."""
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
     import staging      # here, not at the top: it needs qatfactory, absent from the vllm phase's path
     from transformers import AutoTokenizer
     work = Path(a.work)

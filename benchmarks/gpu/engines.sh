@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # vLLM and SGLang themselves load and serve our exports (driver: benchmarks/gpu/engines.py).
 #
-# Here, once:  bash benchmarks/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 4 parts, SmolLM2 GGUF parts)
-#              bash benchmarks/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)
-#              bash benchmarks/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier GPU run sent
+# Here, once:  bash tools/gpu/stage.sh pack          (wheels, vLLM 0.24.0 in 4 parts, SmolLM2 GGUF parts)
+#              bash tools/gpu/stage.sh pack-sglang   (SGLang 0.5.17's 44.7 MiB bundle, cut to ride along)
+#              bash tools/gpu/stage.sh stage-jit X.tgz...   (optional: JIT caches an earlier GPU run sent
 #                                                          back, $OUT/jit-*.tgz; used only if the stamp matches)
-# Then eight back-to-back device calls (each within the 30 s the machine stays warm). `stage.sh plan` prints
+# Then eight back-to-back device calls (each within the 30 s the machine stays warm). `tools/gpu/stage.sh plan` prints
 # each call's carry list and size, all under the 64 MiB a call carries; as re-packed on 2026-12-06 (vLLM's zip
-# in 56 MiB parts by `stage.sh resplit-vllm`, then `pack-sglang` with SGLANG_MARGIN_KIB=1536: 5.5 MiB of working
+# in 56 MiB parts by `tools/gpu/stage.sh resplit-vllm`, then `pack-sglang` with SGLANG_MARGIN_KIB=1536: 5.5 MiB of working
 # tree in every call, 1.5 MiB kept for its growth; re-run both when `plan` says TOO BIG):
 #   1 carry [.whl, .vllm/deps, .vllm/vllm.manifest, .gpu/assets, .gpu/smollm2.gguf.parts.json,
 #            .sglang/sglang.manifest.json, .sglang/sglang.tar.part-00]            62.5 MiB
@@ -51,7 +51,7 @@
 # the JIT caches in /tmp/qf-tvmffi and /tmp/qf-flashinfer too. Results: $OUT/engines.md, engines.json (+ each
 # model's vllm.json / sglang.json and logs under $WORK, $OUT/sglang_logs.tgz), and the built JIT modules with
 # the stamp of what built them ($OUT/jit-tvmffi.tgz, $OUT/jit-flashinfer.tgz: stage them here with
-# `stage.sh stage-jit` for the next GPU run). `bash benchmarks/gpu/engines.sh report` re-makes the report
+# `tools/gpu/stage.sh stage-jit` for the next GPU run). `bash benchmarks/gpu/engines.sh report` re-makes the report
 # from $WORK alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -78,12 +78,14 @@ sglang_env() {    # FlashInfer's extra nvcc/ld flags where this CUDA lacks cuBLA
 sglang_warm() {   # install SGLang, its carried JIT caches, and build its JIT kernels in the background, once
     [ -f /tmp/qf-parts/sglang.manifest.json ] || return 0
     [ -f "$WORK/sglang-warm.pid" ] && return 0
-    python3 benchmarks/gpu/carry_plan.py ready --parts /tmp/qf-parts >/dev/null 2>&1 || return 0
+    python3 tools/gpu/carry_plan.py ready --parts /tmp/qf-parts >/dev/null 2>&1 || return 0
     sglang_env
     # from a copy: the next call replaces this working tree while the warm-up still runs
-    rm -rf /tmp/qf-sgwarm && mkdir -p /tmp/qf-sgwarm/benchmarks/gpu
-    cp benchmarks/gpu/{stage.sh,carry_plan.py,engines.py,engines_sglang.py,sglang_jit.py} /tmp/qf-sgwarm/benchmarks/gpu/
-    setsid bash -c "bash /tmp/qf-sgwarm/benchmarks/gpu/stage.sh install-sglang && \
+    # (the same layout below /tmp/qf-sgwarm: tools/gpu/stage.sh and sglang_jit.py find carry_plan.py from the root)
+    rm -rf /tmp/qf-sgwarm && mkdir -p /tmp/qf-sgwarm/benchmarks/gpu /tmp/qf-sgwarm/tools/gpu
+    cp tools/gpu/{stage.sh,carry_plan.py} /tmp/qf-sgwarm/tools/gpu/
+    cp benchmarks/gpu/{engines.py,engines_sglang.py,sglang_jit.py} /tmp/qf-sgwarm/benchmarks/gpu/
+    setsid bash -c "bash /tmp/qf-sgwarm/tools/gpu/stage.sh install-sglang && \
         PYTHONPATH=/tmp/sgsite timeout 1500 python3 /tmp/qf-sgwarm/benchmarks/gpu/engines.py sglang-warm --work '$WORK' \
         --jit-dir /tmp/qf-parts/jit" > "$WORK/sglang-warm.log" 2>&1 < /dev/null &
     echo $! > "$WORK/sglang-warm.pid"
@@ -91,18 +93,18 @@ sglang_warm() {   # install SGLang, its carried JIT caches, and build its JIT ke
 }
 cmd=${1:-all}; shift || true
 
-bash benchmarks/gpu/stage.sh stash >/dev/null
+bash tools/gpu/stage.sh stash >/dev/null
 case $cmd in
     stash) ls /tmp/qf-parts ;;
     preflight)   # first call: our stack and vLLM's deps installed and imported while the rest is carried
-        [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
-        bash benchmarks/gpu/stage.sh install-vllm-deps ;;
+        [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours
+        bash tools/gpu/stage.sh install-vllm-deps ;;
     students)
-        [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
+        [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours
         PATH=/tmp/site/bin:$PATH PYTHONPATH=$OURS python3 benchmarks/gpu/engines.py students --work "$WORK" "$@" \
             2>&1 | tee "$OUT/engines_students.log" ;;
     vllm)
-        [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
+        [ -d /tmp/vsite/vllm ] || bash tools/gpu/stage.sh install-vllm || exit 2
         [ -n "${NO_SGLANG_WARM:-}" ] || sglang_warm
         # the vLLM phase stops in time for the report to fit the 600 s a device call may run
         PYTHONPATH=/tmp/vsite timeout -k 10 "${T_VLLM:-450}" python3 benchmarks/gpu/engines.py vllm --work "$WORK" "$@" \
@@ -113,7 +115,7 @@ case $cmd in
     kv)   # the KV cache's FP8-attention check in place of the vLLM cells (once they are measured): vLLM installed and
           # SGLang's warm-up started as in `vllm`, then benchmarks/kv_cache.py trains the 2K fp8 arm with the fa3
           # emulation and vLLM serves its export with FLASH_ATTN and TRITON_ATTN (~5 min); all of it in $OUT/kv.tgz
-        [ -d /tmp/vsite/vllm ] || bash benchmarks/gpu/stage.sh install-vllm || exit 2
+        [ -d /tmp/vsite/vllm ] || bash tools/gpu/stage.sh install-vllm || exit 2
         [ -n "${NO_SGLANG_WARM:-}" ] || sglang_warm
         rm -rf /tmp/qf-kv-out
         PATH=/tmp/site/bin:$PATH PYTHONPATH=$OURS:/tmp/vsite timeout -k 10 "${T_KV:-480}" python3 benchmarks/kv_cache.py \
@@ -130,7 +132,7 @@ case $cmd in
         done
         if [ ! -f /tmp/sgsite/.qf-installed ]; then
             warm_alive && { echo "the background SGLang install is still running after 300 s: see $WORK/sglang-warm.log" >&2; exit 2; }
-            bash benchmarks/gpu/stage.sh install-sglang || exit 2
+            bash tools/gpu/stage.sh install-sglang || exit 2
         fi
         sglang_env
         PYTHONPATH=/tmp/sgsite timeout -k 10 "${T_SGLANG:-450}" python3 benchmarks/gpu/engines.py sglang --work "$WORK" "$@" \
@@ -139,7 +141,7 @@ case $cmd in
             | tee "$OUT/engines_report.log"
         (cd "$WORK" && tar czf "$OUT/sglang_logs.tgz" */sglang.log */sglang.json sglang-warm.* 2>/dev/null)
         # the built JIT modules (.so files + the stamp of what built them) come back, to be carried by a later GPU run
-        # (here: bash benchmarks/gpu/stage.sh stage-jit jit-tvmffi.tgz jit-flashinfer.tgz)
+        # (here: bash tools/gpu/stage.sh stage-jit jit-tvmffi.tgz jit-flashinfer.tgz)
         for kind in tvmffi flashinfer; do
             PYTHONPATH=/tmp/sgsite python3 benchmarks/gpu/sglang_jit.py pack --kind $kind --out "/tmp/jit-$kind.tgz" \
                 && [ "$(stat -c %s "/tmp/jit-$kind.tgz")" -lt $((15 * 1024 * 1024)) ] && cp "/tmp/jit-$kind.tgz" "$OUT/"

@@ -1,6 +1,6 @@
 """SGLang itself loads and serves one NVFP4 export on the H200 (engines.py's ``sglang`` phases).
 
-Runs in SGLang's own Python path (PYTHONPATH=/tmp/sgsite, staged by stage.sh ``install-sglang``), one model
+Runs in SGLang's own Python path (PYTHONPATH=/tmp/sgsite, staged by tools/gpu/stage.sh ``install-sglang``), one model
 per process, the same way engines.py runs vLLM, and writes the same record (``W/<cell>/sglang.json`` + a
 ``.npz`` of prompt top-K log-probabilities in vLLM's layout), which engines.py ``report`` scores against
 the students.

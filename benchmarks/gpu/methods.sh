@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The method and paper benchmarks on the H200, as few device calls as the carrying allows.
 #
-# Here, once: bash benchmarks/gpu/stage.sh pack   (wheels in .whl, SmolLM2 GGUF parts + assets in .gpu)
+# Here, once: bash tools/gpu/stage.sh pack   (wheels in .whl, SmolLM2 GGUF parts + assets in .gpu)
 # Device calls, back to back (the machine stays warm ~30 s between calls):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]  bash benchmarks/gpu/methods.sh preflight [JOB...]
 #   2 carry [.gpu/smollm2.gguf.part-aa]                         bash benchmarks/gpu/methods.sh stash [JOB...]
@@ -79,7 +79,7 @@
 # A machine lasts 30 minutes at most: calls 1-3 (staging) start each fresh one again. PARETOQ_LOSS=kl
 # reruns the C1 jobs as QAD. Then here, no GPU: each call's methods.tgz into one results folder (device paths
 # replaced by names, progress bars thinned, nothing overwritten; it prints the job folders D to merge):
-#   python benchmarks/gpu/unpack_results.py --dest benchmarks/results/<what>_<gpu>_<date> call_a=<files_at>/methods.tgz ...
+#   python tools/gpu/unpack_results.py --dest benchmarks/results/<what>_<gpu>_<date> call_a=<files_at>/methods.tgz ...
 #   python benchmarks/papers/paretoq_bits.py --merge D... --out benchmarks/results/paretoq_bits_h100_20261207
 #   python benchmarks/papers/paretoq_seq_vs_lsq.py --merge D... --out benchmarks/results/paretoq_seq_vs_lsq_h100_20261206
 #   python benchmarks/papers/paretoq_split.py --merge D... --out benchmarks/results/paretoq_split_h100_20261207
@@ -107,7 +107,7 @@ if [ -z "${LOCAL:-}" ]; then
 fi
 cmd=${1:-run}; shift || true
 
-stash() { [ -n "${LOCAL:-}" ] || bash benchmarks/gpu/stage.sh stash >/dev/null; }
+stash() { [ -n "${LOCAL:-}" ] || bash tools/gpu/stage.sh stash >/dev/null; }
 assets() {   # the GGUF reassembled from its parts and the data files, where qatfactory.assets reads them
     # (DATA_ONLY=1: the data files alone, for jobs on calls 1-2 whose GGUF parts have not all arrived)
     DATA_ONLY=${DATA_ONLY:-} $PY - <<'EOF'
@@ -115,7 +115,7 @@ import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-sys.path.insert(0, "benchmarks/gpu")
+sys.path.insert(0, "tools/gpu")
 import staging
 if os.environ.get("DATA_ONLY"):
     staging.ASSET_NAMES = [n for n in staging.ASSET_NAMES if n != "smollm2"]
@@ -200,7 +200,7 @@ run_job() {
 case $cmd in
     preflight)
         stash
-        [ -n "${LOCAL:-}" ] || [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
+        [ -n "${LOCAL:-}" ] || [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours
         { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
           $PY -c "import torch, transformers, deepspeed, gguf, hydra, compressed_tensors; import modelopt.torch.quantization
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__,

@@ -5,7 +5,7 @@
 #
 # Here, once:    bash benchmarks/gpu/papers.sh pack   # .gpu/ (SmolLM2 GGUF in 2 parts, wiki, GSM8K: pipeline.sh
 #                                                     # pack) + .gpu/assets/austen; the wheels in .whl come from
-#                                                     # `bash benchmarks/gpu/stage.sh pack` (or an earlier one)
+#                                                     # `bash tools/gpu/stage.sh pack` (or an earlier one)
 # There, three back-to-back calls (the machine keeps /tmp between warm calls):
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]   bash benchmarks/gpu/papers.sh stash
 #   2 carry [.gpu/smollm2.gguf.part-aa]                         bash benchmarks/gpu/papers.sh stash
@@ -55,19 +55,19 @@ case $cmd in
         CACHE=${QATFACTORY_CACHE:-$HOME/.cache/qatfactory}
         mkdir -p .gpu/assets/austen
         cp "$CACHE/assets/austen/austen.json" "$CACHE/assets/austen/provenance.json" .gpu/assets/austen/
-        ls .whl/*.whl >/dev/null 2>&1 || echo "no .whl/: run \`bash benchmarks/gpu/stage.sh pack\` for the wheels"
+        ls .whl/*.whl >/dev/null 2>&1 || echo "no .whl/: run \`bash tools/gpu/stage.sh pack\` for the wheels"
         du -sh .whl .gpu/assets .gpu/smollm2.gguf.part-* 2>/dev/null ;;
     stash)
-        bash benchmarks/gpu/stage.sh stash >/dev/null
-        if [ -z "$SMOKE" ] && [ ! -d /tmp/site/deepspeed ]; then bash benchmarks/gpu/stage.sh install-ours; fi
+        bash tools/gpu/stage.sh stash >/dev/null
+        if [ -z "$SMOKE" ] && [ ! -d /tmp/site/deepspeed ]; then bash tools/gpu/stage.sh install-ours; fi
         ls -la /tmp/qf-parts /tmp/qf-parts/assets 2>/dev/null ;;
     run)
         mkdir -p "$OUT/papers" "$WORK"
         if [ -z "$SMOKE" ]; then
-            # not pip-installed there: exporters/ importable as qatfactory.exporters (a device-local link, as run.sh)
+            # not pip-installed there: exporters/ importable as qatfactory.exporters (a device-local link, as tools/gpu/run.sh)
             [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
-            bash benchmarks/gpu/stage.sh stash >/dev/null
-            [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours || exit 1
+            bash tools/gpu/stage.sh stash >/dev/null
+            [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours || exit 1
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/papers/gpu.txt" 2>&1
         fi
         prep=()

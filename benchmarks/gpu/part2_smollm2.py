@@ -1,5 +1,5 @@
 """Part 2 of the GPU pipeline (benchmarks/gpu/pipeline.py): SmolLM2-135M-Instruct from its
-packaged GGUF (staging.py reassembles it; ``qatfactory.assets.prepare_model_dir`` makes the HF
+packaged GGUF (tools/gpu/staging.py reassembles it; ``qatfactory.assets.prepare_model_dir`` makes the HF
 directory), the Wikipedia split written by ``qatfactory.faces.demo.prepare_data``, QAD under the deepspeed
 launcher, then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's
 evaluation (``qatfactory.faces.demo.HeldOut``), exports and verify; optionally GSM8K (greedy).
@@ -10,11 +10,15 @@ import gc
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+# staging.py (the carried GGUF parts and assets) sits with the GPU machine's other logistics in tools/gpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
+# isort: split
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging

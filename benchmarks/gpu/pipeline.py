@@ -1,4 +1,4 @@
-"""One GPU pipeline for two acceptance runs, sized for ~6 minutes on 2 H200s (run.sh stage ``pipeline``).
+"""One GPU pipeline for two acceptance runs, sized for ~6 minutes on 2 H200s (tools/gpu/run.sh stage ``pipeline``).
 
 Part 1: ``deepspeed --num_gpus N -m qatfactory.train`` ZeRO-3 QAD (live bf16 teacher,
 nvfp4_w4a16) of a ~1.1B random Llama-shaped model (hidden 2048, 16 layers, vocab 32000, untied) on
@@ -22,7 +22,7 @@ and verifications of part 1 run while part 2 trains. A time budget (``--budget``
 longer fits, and ``pipeline.json`` / ``pipeline.md`` are rewritten after every stage, so a run cut
 short still reports what it measured.
 
-    python benchmarks/gpu/pipeline.py --out $OUT --budget 340     # the GPU run (via pipeline.sh / run.sh)
+    python benchmarks/gpu/pipeline.py --out $OUT --budget 340     # the GPU run (via pipeline.sh / tools/gpu/run.sh)
     python benchmarks/gpu/pipeline.py --smoke --out /tmp/pipe     # CPU: tiny model, 2 gloo ranks, same code path
 
 Output (``--out``): ``pipeline.json`` (every number), ``pipeline.md`` (tables), ``pipeline_launches.log``
@@ -30,7 +30,7 @@ Output (``--out``): ``pipeline.json`` (every number), ``pipeline.md`` (tables), 
 students, exports) stay in ``--work``.
 """
 # The jobs live beside this entry point (arguments, main, the final verdict): supervise.py (clock,
-# budget, child processes, GPU monitor; the run's shared state), staging.py (GGUF parts, manifest,
+# budget, child processes, GPU monitor; the run's shared state), tools/gpu/staging.py (GGUF parts, manifest,
 # stash, asset cache), launches.py (training launches, export + verify jobs), part1_zero3.py,
 # part2_smollm2.py, pipeline_report.py (pipeline.json / .md, plot, logs).
 from __future__ import annotations
@@ -49,6 +49,8 @@ from typing import Any, Dict, List, Optional, Sequence
 # budget has always included the heavy imports below (torch, transformers)
 from supervise import NCCL_ENV, REPO, T0, Budget, GpuMonitor, say, stop_children
 
+# staging.py (the carried GGUF parts and assets) sits with the GPU machine's other logistics in tools/gpu
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 # isort: split
 import torch
 
@@ -61,7 +63,7 @@ from staging import STASH_DIR
 
 
 class Interrupted(BaseException):
-    """SIGTERM (run.sh's timeout): stop children, write the report, exit."""
+    """SIGTERM (tools/gpu/run.sh's timeout): stop children, write the report, exit."""
 
 
 # ============================================================================ arguments

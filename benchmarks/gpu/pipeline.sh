@@ -7,7 +7,7 @@
 #                                                # (default 2 parts) + manifest, provenance records, wiki, GSM8K
 #   bash benchmarks/gpu/pipeline.sh smoke [ARGS] # here: the CPU smoke run (tiny model, 2 gloo ranks)
 #   bash benchmarks/gpu/pipeline.sh stash        # GPU machine: copy .gpu/ parts and assets to /tmp/qf-parts
-#   bash benchmarks/gpu/pipeline.sh run [ARGS]   # GPU machine (run.sh's stage `pipeline` calls this)
+#   bash benchmarks/gpu/pipeline.sh run [ARGS]   # GPU machine (tools/gpu/run.sh's stage `pipeline` calls this)
 #
 # On the GPU machine the parts are looked for in .gpu/ and /tmp/qf-parts/ (a part carried in an earlier
 # call and stashed there counts); `run` stashes whatever .gpu/ holds first. ARGS go to pipeline.py
@@ -16,8 +16,8 @@
 # Carrying (64 MiB per call; .whl is ~29 MiB, .gpu/assets 7 MiB, each of the 2 default parts 47 MiB), e.g.:
 #   call 1: carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]   command: bash benchmarks/gpu/pipeline.sh stash
 #   call 2: carry [.gpu/smollm2.gguf.part-aa]                         command: bash benchmarks/gpu/pipeline.sh stash
-#   call 3: carry [.gpu/smollm2.gguf.part-ab]   command: NO_INSTALL=1 STAGES=pipeline bash benchmarks/gpu/run.sh
-# (call 1 may be any earlier run.sh call with `&& bash benchmarks/gpu/pipeline.sh stash` appended; the wheels
+#   call 3: carry [.gpu/smollm2.gguf.part-ab]   command: NO_INSTALL=1 STAGES=pipeline bash tools/gpu/run.sh
+# (call 1 may be any earlier tools/gpu/run.sh call with `&& bash benchmarks/gpu/pipeline.sh stash` appended; the wheels
 # stay installed in /tmp/site while the machine is warm). `pack 20` makes 20 MiB parts instead.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,7 +42,7 @@ case $cmd in
         $PY - "${1:-}" <<'EOF'
 import math, sys
 from pathlib import Path
-sys.path.insert(0, "benchmarks/gpu")
+sys.path.insert(0, "tools/gpu")
 import staging
 src = staging.user_cache() / "assets" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 mib = float(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None
@@ -52,13 +52,13 @@ for name, p in staging.split_file(src, Path(".gpu"), n).items():
 EOF
         du -sh .gpu/assets .gpu/smollm2.gguf.part-* ;;
     stash)
-        $PY -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); import staging; from pathlib import Path; \
+        $PY -c "import sys; sys.path.insert(0, 'tools/gpu'); import staging; from pathlib import Path; \
 print('stashed:', staging.stash(Path('.gpu'), staging.STASH_DIR))"
         ls -la /tmp/qf-parts 2>/dev/null ;;
     smoke)
         exec $PY benchmarks/gpu/pipeline.py --smoke "$@" ;;
     run)
-        # as run.sh does for an uninstalled copy: exporters/ importable as qatfactory.exporters
+        # as tools/gpu/run.sh does for an uninstalled copy: exporters/ importable as qatfactory.exporters
         [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
         export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
         export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}   # DeepSpeed's op builder cannot parse "9.0a"

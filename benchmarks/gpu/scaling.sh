@@ -3,7 +3,7 @@
 # an 8B Llama shape and a Qwen3-MoE shape, with the ZeRO-3 gather profile: one job per device
 # call, each job a few `deepspeed --num_gpus N -m qatfactory.train` launches of benchmarks/gpu/scaling.py.
 #
-# Here, once: bash benchmarks/gpu/stage.sh pack                    (our stack as wheels in .whl)
+# Here, once: bash tools/gpu/stage.sh pack                    (our stack as wheels in .whl)
 # Device calls (kind nvidia-h200-x8; on -x2 / -x4 set WORLDS="2" / "2 4"), carry [".whl"]:
 #   bash benchmarks/gpu/scaling.sh llama8b-z3-strong     # N = 2 4 8 (1 does not fit: 8B x ~20 bytes/param)
 #   bash benchmarks/gpu/scaling.sh llama8b-z3-weak
@@ -31,7 +31,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if [ -z "${LOCAL:-}" ]; then
     # the GPU machine: our stack from the carried wheels, exporters/ importable as qatfactory.exporters
     [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
-    [ -d /tmp/site/deepspeed ] || bash benchmarks/gpu/stage.sh install-ours
+    [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/scaling/env.txt" 2>&1
 fi

@@ -1,5 +1,5 @@
 """SGLang's JIT kernels on the H200: what the carried FlashInfer keeps, what the warm-up builds, and the built
-caches carried from one GPU machine to the next (stage.sh pack-sglang / stage-jit, engines.sh).
+caches carried from one GPU machine to the next (tools/gpu/stage.sh pack-sglang / stage-jit, engines.sh).
 
 An offline ``sglang.Engine`` (0.5.17, attention_backend="triton", sampling_backend="pytorch",
 grammar_backend="none", CUDA graphs on) compiles two kinds of kernels at first use, read from the wheels'
@@ -49,8 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from carry_plan import sha256  # noqa: E402  (the staging's one file digest; this folder is copied whole)
+# carry_plan.py lives in tools/gpu, found from the repository root: a device call carries the whole working tree
+# (tools/ with it), and engines.sh's background copy in /tmp/qf-sgwarm keeps the same layout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
+from carry_plan import sha256  # noqa: E402  (the staging's one file digest)
 
 FI_DATA = "flashinfer/data/"
 # the include roots FlashInfer's JIT hands nvcc, relative to flashinfer/data, in its order

@@ -5,7 +5,7 @@
 #
 #   run(command="bash benchmarks/gpu/step.sh", carry=[".whl"], timeout_s=600)
 #
-# 1. installs our stack from the carried wheels (stage.sh install-ours -> /tmp/site), unless already there
+# 1. installs our stack from the carried wheels (tools/gpu/stage.sh install-ours -> /tmp/site), unless already there
 # 2. builds DeepSpeed's FusedAdam in the background while the GPU checks of the weight cache run:
 #    pytest -m cuda tests/test_weight_cache_cuda.py (kept fq(W) == per-forward fq(W), bit for bit, on the
 #    kernels with batched fills)                            -> $OUT/step_pytest_cuda.log
@@ -56,7 +56,7 @@ VARIANTS="SFT|QAT W4A16 (CE)|QAT W4A4 (CE)|QAD W4A16 live teacher|cached teacher
 PEERS="plain loop|ModelOpt W4A16 QAT|ModelOpt W4A4 QAT, fp32|ModelOpt QAD"
 if [ "$DEVICE" = cuda ]; then
     if [ ! -d /tmp/site/deepspeed ]; then
-        bash benchmarks/gpu/stage.sh install-ours > "$OUT/step_install.log" 2>&1 \
+        bash tools/gpu/stage.sh install-ours > "$OUT/step_install.log" 2>&1 \
             || { echo "install-ours failed:"; tail -20 "$OUT/step_install.log"; exit 1; }
     fi
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -3,8 +3,8 @@ budget, child processes in their own process groups, the nvidia-smi memory monit
 
 The run's shared state lives here and only here: ``T0`` (the start that the log's clock and the budget
 count from), the list of live children and its lock, and ``REC_LOCK``. Other modules import these
-objects; none makes its own. Standard library only, so that the staging commands (``pipeline.sh
-stash``, staging.py) run on a machine that has nothing else installed yet.
+objects; none makes its own. Standard library only: the runners import it first, before torch, and its clock
+counts their heavy imports. The carried files (GGUF parts, stash, asset cache) are tools/gpu/staging.py's.
 """
 from __future__ import annotations
 
@@ -19,12 +19,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = time.time()
-# NCCL multicast (NVLS) stays off on the lent machines; run.sh exports the same
+# NCCL multicast (NVLS) stays off on the lent machines; tools/gpu/run.sh exports the same
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class PipelineError(RuntimeError):
-    """A stage failed for a reason the report states (missing part, bad checksum, launch failure)."""
 
 
 def say(msg: str) -> None:
@@ -34,12 +30,6 @@ def say(msg: str) -> None:
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 

@@ -682,7 +682,7 @@ def prepare_offline(asset_dirs: Sequence[str], cache: Path, work: Path, smoke: b
     turn the GGUF into the local model directory once. Returns what it used; QATFACTORY_CACHE must then be
     ``cache`` for the scripts (papers.sh exports it)."""
     import types
-    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
     import staging
     from qatfactory import assets
     ns = types.SimpleNamespace(asset_dirs=list(asset_dirs), smoke=smoke, work=str(work))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The general run on the GPU machine: CUDA tests and benchmarks (repo root, wheels carried in .whl):
 #
-#   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash tools/gpu/run.sh", carry=[".whl"], timeout_s=600)
 #
 # 1. installs the carried wheels (.whl/, git-ignored; see benchmarks/RESULTS.md for the list)
 # 2. pytest -m cuda over tests/            -> $OUT/pytest_cuda.log

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # What the GPU machine lacks, packed here and carried over in calls of at most 64 MiB; the one place
 # that pins the wheels. The GPU image has torch 2.11.0+cu130, transformers 5.17, CuPy, Triton and no
-# registry access (benchmarks/gpu/run.sh and engines.sh use what this stages).
+# registry access (tools/gpu/run.sh and engines.sh use what this stages).
 #
 # Here (a machine with PyPI):
-#   bash benchmarks/gpu/stage.sh pack            # .whl/ (our stack), .vllm/ (vLLM 0.24.0 in parts + its deps),
-#                                                # and .gpu/ (SmolLM2 GGUF parts + assets incl. Austen, via papers.sh pack)
-#   bash benchmarks/gpu/stage.sh plan            # the carry list of every call, sizes checked against 64 MiB
+#   bash tools/gpu/stage.sh pack            # .whl/ (our stack), .vllm/ (vLLM 0.24.0 in parts + its deps),
+#                                           # and .gpu/ (SmolLM2 GGUF parts + assets incl. Austen, via papers.sh pack)
+#   bash tools/gpu/stage.sh plan            # the carry list of every call, sizes checked against 64 MiB
 # There (each call carries one group and starts with this; carried folders are replaced by the next call,
 # so everything is copied to /tmp/qf-parts first and found there later):
-#   bash benchmarks/gpu/stage.sh stash           # copy whatever this call carried into /tmp/qf-parts
-#   bash benchmarks/gpu/stage.sh install-ours    # /tmp/site  <- .whl (our stack; PYTHONPATH=/tmp/site)
-#   bash benchmarks/gpu/stage.sh install-vllm    # /tmp/vsite <- the reassembled vLLM (sha256 checked) + deps
-#   bash benchmarks/gpu/stage.sh install-sglang  # /tmp/sgsite <- SGLang's reassembled bundle (sha256 checked)
-#                                                # + the shared pins from .vllm/deps, then an import check
-# SGLang (here, after `pack`): bash benchmarks/gpu/stage.sh pack-sglang  (.sglang/: one tar of slimmed
+#   bash tools/gpu/stage.sh stash           # copy whatever this call carried into /tmp/qf-parts
+#   bash tools/gpu/stage.sh install-ours    # /tmp/site  <- .whl (our stack; PYTHONPATH=/tmp/site)
+#   bash tools/gpu/stage.sh install-vllm    # /tmp/vsite <- the reassembled vLLM (sha256 checked) + deps
+#   bash tools/gpu/stage.sh install-sglang  # /tmp/sgsite <- SGLang's reassembled bundle (sha256 checked)
+#                                           # + the shared pins from .vllm/deps, then an import check
+# SGLang (here, after `pack`): bash tools/gpu/stage.sh pack-sglang  (.sglang/: one tar of slimmed
 # wheels cut into parts that ride in the room the six vLLM calls leave, the rest in a stash call before the
 # vLLM call; carry_plan.py decides)
-#   bash benchmarks/gpu/stage.sh stage-jit X.tgz...  # JIT caches an earlier GPU run built and sent back
-#                                                # ($OUT/jit-*.tgz) -> .sglang/jit, carried before the warm-up,
-#                                                # used there only if built by the same torch/nvcc/GPU/versions
-#   bash benchmarks/gpu/stage.sh slim-wheel WHL  # apply the SGLANG_SLIM rules below to one wheel, in place
+#   bash tools/gpu/stage.sh stage-jit X.tgz...  # JIT caches an earlier GPU run built and sent back
+#                                           # ($OUT/jit-*.tgz) -> .sglang/jit, carried before the warm-up,
+#                                           # used there only if built by the same torch/nvcc/GPU/versions
+#   bash tools/gpu/stage.sh slim-wheel WHL  # apply the SGLANG_SLIM rules below to one wheel, in place
 #
 # vLLM 0.24.0 is the newest release whose torch pin (==2.11.0) and CUDA 13 extensions match the image.
 # Its wheel is 279 MB; two files are left out of the carried copy, both unused by offline `vllm.LLM` on an
@@ -175,7 +175,7 @@ case $cmd in
         ls -l .vllm/vllm.zip.part-* ;;
     plan)
         # every call's carry list, sizes (tree included) checked against 64 MiB; SGLang's parts folded in
-        python3 benchmarks/gpu/carry_plan.py plan ;;
+        python3 tools/gpu/carry_plan.py plan ;;
     pack-sglang)
         # SGLang's wheels, slimmed, in one tar cut into parts that fill the room of the calls above
         # (run after `pack`: the room is measured on what is staged then)
@@ -189,9 +189,9 @@ case $cmd in
             slim_wheel "$whl" || { echo "pack-sglang: slimming $whl failed" >&2; exit 2; }
         done
         (cd "$tmp/w" && tar --sort=name --mtime=@0 --owner=0 --group=0 -cf "$tmp/sglang.tar" -- *.whl)
-        python3 benchmarks/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang \
+        python3 tools/gpu/carry_plan.py split "$tmp/sglang.tar" --out .sglang \
             --margin-kib "${SGLANG_MARGIN_KIB:-512}" > "$tmp/parts.json"
-        python3 benchmarks/gpu/carry_plan.py manifest --bundle "$tmp/sglang.tar" --wheels "$tmp/w" \
+        python3 tools/gpu/carry_plan.py manifest --bundle "$tmp/sglang.tar" --wheels "$tmp/w" \
             --parts-json "$tmp/parts.json" --version "$SGLANG_VERSION" --shared "${SGLANG_FROM_VLLM[*]}" \
             --slim "${SGLANG_SLIM[@]}" --keep "${SGLANG_KEEP_FLASHINFER[@]}"
         rm -rf "$tmp"
@@ -260,7 +260,7 @@ raise SystemExit(1 if bad else 0)" ;;
         # /tmp/sgsite: SGLang's bundle (parts and wheels sha256-checked) + the pins it shares with vLLM
         [ -f "$PARTS/sglang.manifest.json" ] || { echo "no $PARTS/sglang.manifest.json: carry .sglang/ and stash it" >&2; exit 2; }
         rm -rf /tmp/sgwheels /tmp/sgsite/.qf-installed
-        python3 benchmarks/gpu/carry_plan.py assemble --parts "$PARTS" --dest /tmp/sgwheels >/dev/null || exit 2
+        python3 tools/gpu/carry_plan.py assemble --parts "$PARTS" --dest /tmp/sgwheels >/dev/null || exit 2
         shared=()
         for n in "${SGLANG_FROM_VLLM[@]}"; do
             f=$(ls "$PARTS/.vllm/deps/" 2>/dev/null | grep -i "^${n//-/_}-[0-9]" | head -1 || true)

@@ -1,4 +1,4 @@
-"""Which staged files each device call carries (benchmarks/gpu/stage.sh `plan`, `pack-sglang`).
+"""Which staged files each device call carries (tools/gpu/stage.sh `plan`, `pack-sglang`).
 
 A device call carries the working tree plus at most 8 named paths, 64 MiB in all. The vLLM stack and
 SmolLM2 already need six calls whose groups leave room; SGLang's bundle (one tar of wheels) is cut into
@@ -9,10 +9,10 @@ the first call up to the vLLM call with room for them, else in one more stash ca
 are fixed at pack time from the sizes staged then; `plan` re-checks every call against the cap with the
 tree as it is now.
 
-    python benchmarks/gpu/carry_plan.py plan  [--tree BYTES]
-    python benchmarks/gpu/carry_plan.py split BUNDLE --out .sglang [--tree BYTES] [--margin-kib 512]
-    python benchmarks/gpu/carry_plan.py assemble --parts /tmp/qf-parts --dest /tmp/sgwheels   # GPU machine
-    python benchmarks/gpu/carry_plan.py ready --parts /tmp/qf-parts      # exit 0 iff every part is there
+    python tools/gpu/carry_plan.py plan  [--tree BYTES]
+    python tools/gpu/carry_plan.py split BUNDLE --out .sglang [--tree BYTES] [--margin-kib 512]
+    python tools/gpu/carry_plan.py assemble --parts /tmp/qf-parts --dest /tmp/sgwheels   # GPU machine
+    python tools/gpu/carry_plan.py ready --parts /tmp/qf-parts      # exit 0 iff every part is there
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A device call's results into benchmarks/results/, as they are committed: one folder per call.
 
-    python benchmarks/gpu/unpack_results.py --dest benchmarks/results/paretoq_runs_h100_20261206_07/20261206_bits_4_3_1 \\
+    python tools/gpu/unpack_results.py --dest benchmarks/results/paretoq_runs_h100_20261206_07/20261206_bits_4_3_1 \\
         call_a=FILES_AT_A/methods.tgz call_b=FILES_AT_B/methods.tgz call_c=FILES_AT_C
 
 Each NAME=SRC is a methods.tgz (or kv.tgz, any .tgz a call packed) or a call's files_at folder. What it does:

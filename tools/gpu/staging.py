@@ -1,10 +1,11 @@
-"""The GPU pipeline's carried files (benchmarks/gpu/pipeline.py, pipeline.sh pack / stash): the SmolLM2
+"""The carried files of the GPU runs (benchmarks/gpu/pipeline.py, pipeline.sh pack / stash): the SmolLM2
 GGUF in ``split -b`` parts with a manifest, found over several directories and reassembled with its
 sha256 checked against the asset's provenance record; the stash that keeps what one device call
 carried for the next; the asset cache laid out as ``qatfactory.assets.fetch`` reads it.
 
 Standard library and ``qatfactory.assets`` (itself standard library only): ``pipeline.sh stash`` imports
-this on the GPU machine before any wheel is installed.
+this on the GPU machine before any wheel is installed. Nothing from benchmarks/gpu: the runners there import
+this module, not the other way round.
 """
 from __future__ import annotations
 
@@ -17,12 +18,22 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from qatfactory import assets
 from qatfactory.assets import sha256_file  # the asset records' own digest
-from supervise import PipelineError, write_atomic, write_bytes_atomic
 
 PART_PREFIX = "smollm2.gguf.part-"
 MANIFEST = "smollm2.gguf.parts.json"
 STASH_DIR = Path("/tmp/qf-parts")
 ASSET_NAMES = ("smollm2", "wiki", "gsm8k")
+
+
+class PipelineError(RuntimeError):
+    """A carried file is missing, incomplete or fails its checksum; the message names it and what to carry."""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # a part cut short by a stopped call must never pass for a whole one
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def find_parts(dirs: Sequence[Path]) -> Dict[str, Path]:
@@ -95,10 +106,10 @@ def split_file(src: Path, out_dir: Path, n: int = 2) -> Dict[str, Path]:
         for i in range(n):
             name = PART_PREFIX + "a" + chr(ord("a") + i)
             data = f.read(step)
-            write_bytes_atomic(out_dir / name, data)
+            _write_atomic(out_dir / name, data)
             parts[name] = out_dir / name
             man["parts"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    write_atomic(out_dir / MANIFEST, json.dumps(man, indent=1))
+    _write_atomic(out_dir / MANIFEST, json.dumps(man, indent=1).encode())
     return parts
 
 
