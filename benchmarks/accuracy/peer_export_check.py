@@ -99,7 +99,7 @@ def check(export_dir: Path, peer_qdq: Optional[Path] = None) -> Dict[str, Any]:
     peer = load_file(str(peer_qdq)) if peer_qdq else {}
     out: Dict[str, Any] = {"format": fmt, "group_size": group, "modules": 0, "own_vs_ct_max": 0.0,
                            "own_eq_ct": True, "off_grid": 0, "peer_checked": 0, "peer_max_abs": 0.0,
-                           "peer_max_rel": 0.0, "ct_dtype": None, "input_activations": scheme.input_activations
+                           "peer_max_rel": 0.0, "nonfinite": 0, "ct_dtype": None, "input_activations": scheme.input_activations
                            is not None, "input_global_scale": False}
     grid = torch.tensor(sorted(set(E2M1)))
     for mod, t in sorted(tensors.items()):
@@ -114,6 +114,7 @@ def check(export_dir: Path, peer_qdq: Optional[Path] = None) -> Dict[str, Any]:
         diff = float((mine.to(ct.dtype).float() - ct.float()).abs().max())
         out["own_vs_ct_max"] = max(out["own_vs_ct_max"], diff)
         out["own_eq_ct"] &= torch.equal(mine.to(ct.dtype), ct)
+        out["nonfinite"] += int((~torch.isfinite(ct)).sum())
         w = peer.get(mod + ".weight")
         if w is None:
             continue
@@ -127,12 +128,13 @@ def check(export_dir: Path, peer_qdq: Optional[Path] = None) -> Dict[str, Any]:
             near = grid[(ratio.unsqueeze(-1) - grid).abs().argmin(-1)]
         # a peer that holds its weights in bf16 (AutoRound) rounds value x scale to 8 significant bits
         out["off_grid"] += int(((ratio - near).abs() > 2.0 ** -8 * near.abs().clamp_min(0.5)).sum())
-        err = (ct.float() - w).abs()
+        # a NaN would compare as no error at all: it counts as the largest one
+        err = torch.nan_to_num((ct.float() - w).abs(), nan=float("inf"))
         out["peer_max_abs"] = max(out["peer_max_abs"], float(err.max()))
         out["peer_max_rel"] = max(out["peer_max_rel"], float((err / w.abs().clamp_min(1e-12)).max()))
     # compressed-tensors decodes NVFP4 in bf16 (x fp8 / G), so a peer's fp32 weight agrees to a bf16 rounding
     tol = 2.0 ** -8 if out["ct_dtype"] in ("bfloat16",) else 1e-6
-    out["ok"] = bool(out["modules"] and out["own_eq_ct"] and out["off_grid"] == 0
+    out["ok"] = bool(out["modules"] and out["own_eq_ct"] and out["off_grid"] == 0 and out["nonfinite"] == 0
                      and (not peer or (out["peer_checked"] == out["modules"] and out["peer_max_rel"] <= tol)))
     return out
 
