@@ -144,3 +144,15 @@ def test_merge_puts_both_peers_in_one_table(llmc, autoround, tmp_path):
     assert {"llm-compressor NVFP4A16"} <= set(m["ptq"]) and any(k.startswith("auto-round") for k in m["ptq"])
     md = (out / "qad_recipe.md").read_text()
     assert "PTQ llm-compressor NVFP4A16" in md and "PTQ auto-round NVFP4" in md
+
+
+def test_a_peer_that_fails_is_a_row_saying_why_and_a_failed_exit(tmp_path):
+    # the worker's interpreter exits at once: no export, so no score may be made up
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(ACC / "peer_autoround.py"), "--smoke", "--out", str(tmp_path), "--steps",
+                        "2", "--tag", "bad", "--work", str(tmp_path / "w"), "--peer-python", shutil.which("false")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    ((name, row),) = json.loads((tmp_path / "bad.json").read_text())["ptq"].items()
+    assert "worker" in row["error"] and "exit 1" in row["error"] and "wiki_ho" not in row
+    assert "auto-round NVFP4" in (tmp_path / "bad.md").read_text()
