@@ -12,6 +12,7 @@ import pytest
 WHERE = {
     "ml_dtypes": "the test extra: pip install -e '.[test]'",
     "lm_eval": "the eval extra: pip install qatfactory[eval]",
+    "auto_round": "the test or bench extra: pip install -e '.[bench]'",
 }
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The QAD recipe sweep and Model Optimizer's PTQ / QAD beside it (benchmarks/accuracy/{qad_recipe,peer_modelopt}.py)
+# The QAD recipe sweep and Model Optimizer's PTQ / QAD beside it (benchmarks/accuracy/{qad_recipe,peer_modelopt}.py,
+# and on request the llm-compressor / AutoRound PTQ peers)
 # in one device call: SmolLM2-135M-Instruct, several processes at once on one GPU (a 135M model leaves most of it
 # idle), each with a time budget, then one merged table and KL-vs-tokens plot.
 #
@@ -14,6 +15,14 @@
 # JOBS: ';'-separated entries "script args...", script = a file of benchmarks/accuracy without .py; each entry is
 # one process, all started at once; give each its own --tag. STEPS (per arm), T_TOTAL (seconds for `run`, 560),
 # OUT ($PWD/gpu_out), WORK (/tmp/qf-accuracy), THREADS (CPU threads per process, 2).
+# Post-training peers, PTQ rows scored from the export each writes with its own exporter (and checked by
+# benchmarks/accuracy/peer_export_check.py); they need the peers' wheels: here `bash tools/gpu/stage.sh
+# pack-peers`, there carry [.whl-peers/arrow] (pyarrow, 55 MB) in one `stash` call and [.whl-peers/common,
+# .whl-peers/llmc] (25.5 MB) in another; `run` installs them (stage.sh install-peers) when a JOBS entry names a peer:
+#   peer_llmcompressor --tag llmc        llm-compressor 0.14.0.1: NVFP4A16 oneshot + GPTQ W4A16 (--format nvfp4_w4a4 /
+#                                        mxfp4_w4a4: its NVFP4 / MXFP4 recipes); runs on its own compressed-tensors 0.19
+#   peer_autoround --tag autoround       auto-round 0.16.1: NVFP4 with act_bits=16, its defaults (200 iters, 128 x
+#                                        2,048 tokens); --format nvfp4_w4a4 / mxfp4_w4a4: its NVFP4 / MXFP4 presets
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -49,6 +58,9 @@ case $cmd in
             [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
             bash tools/gpu/stage.sh stash >/dev/null
             [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours || exit 1
+            if [[ $JOBS == *peer_llmcompressor* || $JOBS == *peer_autoround* ]] && [ ! -d /tmp/site-llmc ]; then
+                bash tools/gpu/stage.sh install-peers || exit 1
+            fi
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/accuracy/gpu.txt" 2>&1
         fi
         prep=()
@@ -74,7 +86,16 @@ case $cmd in
             s=${w[0]}; args=("${w[@]:1}")
             tag=$s; for ((k = 0; k < ${#args[@]}; k++)); do [ "${args[$k]}" = --tag ] && tag=${args[$((k + 1))]}; done
             port=$((port + 1))
-            MASTER_PORT=$port OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout -k 10 "$left" \
+            # a peer's worker process finds its own site dir first (llm-compressor's compressed-tensors 0.19
+            # ahead of ours); the smoke's peers run from the venvs their scripts name
+            ppath=
+            if [ -z "$SMOKE" ]; then
+                case $s in
+                    peer_llmcompressor) ppath=/tmp/site-llmc:/tmp/site-peers ;;
+                    peer_autoround) ppath=/tmp/site-peers ;;
+                esac
+            fi
+            QF_PEER_PYTHONPATH=$ppath MASTER_PORT=$port OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout -k 10 "$left" \
                 $PY "benchmarks/accuracy/$s.py" --out "$OUT/accuracy" --work "$WORK/$tag" --device "$DEVICE" \
                 --steps "$STEPS" --budget-s "$budget" "${model[@]}" "${args[@]}" > "$OUT/accuracy/$tag.log" 2>&1 &
             pids+=($!); names+=("$tag")

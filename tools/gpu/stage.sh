@@ -11,6 +11,8 @@
 # so everything is copied to /tmp/qf-parts first and found there later):
 #   bash tools/gpu/stage.sh stash           # copy whatever this call carried into /tmp/qf-parts
 #   bash tools/gpu/stage.sh install-ours    # /tmp/site  <- .whl (our stack; PYTHONPATH=/tmp/site)
+#   bash tools/gpu/stage.sh install-peers   # /tmp/site-peers, /tmp/site-llmc <- .whl-peers (accuracy peers;
+#                                           # here: `pack-peers`)
 #   bash tools/gpu/stage.sh install-vllm    # /tmp/vsite <- the reassembled vLLM (sha256 checked) + deps
 #   bash tools/gpu/stage.sh install-sglang  # /tmp/sgsite <- SGLang's reassembled bundle (sha256 checked)
 #                                           # + the shared pins from .vllm/deps, then an import check
@@ -42,6 +44,20 @@ OURS=(
     pydantic==2.14.4 pydantic-core==2.50.5 typing-extensions==4.16.0 typing-inspection==0.4.5
     annotated-types==0.8.0 compressed-tensors==0.20.1 nvidia-modelopt==0.47.0 pulp==3.3.2 torchao==0.18.0
 )
+# The accuracy benchmark's post-training peers (benchmarks/accuracy/peer_{autoround,llmcompressor}.py), not part of
+# our stack: their own folder here (.whl-peers, `pack-peers`) and their own site dirs there (`install-peers`).
+# Both import `datasets` (AutoRound's calibration module, llm-compressor's entry points), which the image lacks,
+# and with it pyarrow. cp312 wheel sizes (2026-12-07), 80.5 MB in all: pyarrow 55.04 (a call of its own),
+# pandas 12.03, pillow 7.14, auto-round 0.16.1 1.51 and 0.15.1 1.35, datasets 0.61, xxhash 0.47,
+# llmcompressor 0.39, compressed-tensors 0.19.0 0.24, python-dateutil 0.23, fsspec 0.22, multiprocess 0.15,
+# dill 0.12, nvidia-ml-py 0.06, six 0.01. The image's transformers 5.17 / torch 2.11 / accelerate 1.15 serve both.
+PEERS=(
+    auto-round==0.16.1 datasets==5.2.0 pyarrow==26.0.1 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0
+    dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0
+)
+# llm-compressor 0.14.0.1 pins compressed-tensors ==0.19.0 (ours: 0.20.1), auto-round <=0.15.1 and
+# transformers <=5.17 (the image's 5.17.0 fits): its own site dir, first on its worker's PYTHONPATH
+PEERS_LLMC=(llmcompressor==0.14.0.1 compressed-tensors==0.19.0 auto-round==0.15.1 nvidia-ml-py==13.615.71 pillow==13.0.0)
 VLLM_VERSION=0.24.0
 VLLM_DEPS=(
     annotated-types==0.8.0 apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.3
@@ -155,6 +171,28 @@ case $cmd in
         # pipeline.sh pack (GGUF parts, wiki, GSM8K) + the Austen novels: the paper runs and GPU tests read them
         bash benchmarks/gpu/papers.sh pack
         bash "$0" plan ;;
+    pack-peers)
+        # .whl-peers/{arrow,common,llmc}: carried in two calls (arrow: pyarrow alone; then common + llmc),
+        # stashed like .whl
+        mkdir -p .whl-peers; [ -f .whl-peers/.gitignore ] || echo '*' > .whl-peers/.gitignore
+        rm -rf .whl-peers/arrow .whl-peers/common .whl-peers/llmc
+        fetch .whl-peers/common "${PEERS[@]}"
+        mkdir -p .whl-peers/arrow && mv .whl-peers/common/pyarrow-*.whl .whl-peers/arrow/
+        fetch .whl-peers/llmc "${PEERS_LLMC[@]}"
+        du -sh .whl-peers/arrow .whl-peers/common .whl-peers/llmc ;;
+    install-peers)
+        # /tmp/site-peers <- AutoRound + datasets; /tmp/site-llmc <- llm-compressor and the pins it differs in
+        # (accuracy.sh puts the first, or both, on a peer worker's PYTHONPATH via QF_PEER_PYTHONPATH)
+        for d in arrow common llmc; do
+            src=.whl-peers/$d; ls "$src"/*.whl >/dev/null 2>&1 || src="$PARTS/.whl-peers/$d"
+            dest=/tmp/site-peers; [ $d = llmc ] && dest=/tmp/site-llmc
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$dest" \
+                "$src"/*.whl || exit 2
+        done
+        PYTHONPATH=/tmp/site-peers:/tmp/site python3 -c "import auto_round, datasets; print('auto-round', auto_round.__version__)" || exit 2
+        PYTHONPATH=/tmp/site-llmc:/tmp/site-peers:/tmp/site python3 -c "
+import llmcompressor, compressed_tensors
+print('llm-compressor', llmcompressor.__version__, '| compressed-tensors', compressed_tensors.__version__)" || exit 2 ;;
     resplit-vllm)
         # the staged vLLM zip cut again in PART_MIB parts, no download (the working tree grows with each
         # committed result; 58 MiB parts left 0.6 MiB of room on 2026-12-06, so 56 since): the parts are joined,
@@ -208,7 +246,7 @@ case $cmd in
         bash "$0" plan ;;
     stash)
         mkdir -p "$PARTS"
-        for src in .whl .vllm/deps; do
+        for src in .whl .vllm/deps .whl-peers/arrow .whl-peers/common .whl-peers/llmc; do
             [ -d "$src" ] || continue
             mkdir -p "$PARTS/$src"; cp -n "$src"/*.whl "$PARTS/$src/" 2>/dev/null || true
         done
@@ -281,5 +319,5 @@ print('SGLang import OK: sglang-kernel', sgl_kernel.__version__, '| flashinfer',
       '| transformers', transformers.__version__, '|', sgl_kernel.common_ops.__file__)" || exit 2
         touch /tmp/sgsite/.qf-installed    # engines.sh sglang waits for this marker
         echo "SGLang $SGLANG_VERSION in /tmp/sgsite ($(du -sh /tmp/sgsite | cut -f1))" ;;
-    *) echo "usage: $0 pack|pack-sglang|resplit-vllm|plan|stage-jit|slim-wheel|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|pack-peers|install-peers|pack-sglang|resplit-vllm|plan|stage-jit|slim-wheel|stash|install-ours|install-vllm-deps|install-vllm|install-sglang" >&2; exit 2 ;;
 esac
