@@ -20,6 +20,9 @@ case $cmd in
         git archive "$rev" qatfactory exporters recipes csrc benchmarks/step.py benchmarks/step_peers.py \
             benchmarks/step_profile.py benchmarks/step_workers.py benchmarks/fused_adam_cpu.py | tar -x -C .oldtree
         git rev-parse "$rev" > .oldtree/REV
+        # the carried copy of this tree has no history of its own: what "new" is gets recorded here
+        echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- qatfactory exporters recipes csrc benchmarks || echo ' + uncommitted changes')" \
+            > .oldtree/NEW
         du -sh .oldtree ;;
     run)
         OUT=${OUT:-$PWD/gpu_out}
@@ -44,7 +47,8 @@ case $cmd in
         for t in "$PWD" "$PWD/.oldtree"; do   # a source checkout finds the exporters inside the package
             [ -e "$t/qatfactory/exporters" ] || ln -s ../exporters "$t/qatfactory/exporters"
         done
-        echo "old: $(cat .oldtree/REV)  new: $(git rev-parse HEAD 2>/dev/null || echo worktree)" > "$OUT/step_versions/versions.txt"
+        echo "old: $(cat .oldtree/REV)  new: $(cat .oldtree/NEW 2>/dev/null || echo 'this working tree')" \
+            > "$OUT/step_versions/versions.txt"
         extra=(); [ -n "${TINY:-}" ] && extra=(--model smoke --device cpu --seq 64 --batch 1)
         for r in $(seq 1 "$ROUNDS"); do
             for side in old new; do
