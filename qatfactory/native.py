@@ -34,7 +34,7 @@ from torch import nn
 from . import _fsutil
 from .exitcodes import BadInputError, CorruptFileError
 from .formats import ConvertedModel, PackedTensor, get_format
-from .formats.layouts import FLAVOUR_TENSORS, GGUF_FLAVOUR, Codec
+from .formats.layouts import ENGINE_FLAVOURS, FLAVOUR_TENSORS, GGUF_FLAVOUR, Codec
 from .nn.scale_adapter import ScaleAdapterLinear
 from .nn.scale_adapter import modules as adapter_modules
 from .readers import (  # noqa: F401  (the reader's public names, as they were here)
@@ -390,8 +390,9 @@ def write_patched(base, scale_file, out_dir, force: bool = False) -> Dict[str, A
             if src.is_symlink() or not src.is_file():
                 continue        # only regular files travel: never a link, never a directory
             shutil.copyfile(src, tmp / name, follow_symlinks=False)
-        rec = dict(ck.record) if ck.record else {"qatfactory_export": 1, "engine": "llama_cpp" if ck.container == GGUF_FLAVOUR
-                                                 else "vllm", "flavour": ck.container}
+        # the first engine whose exporter writes this container flavour (vllm for ModelOpt / compressed-tensors)
+        engine = next(e for e, fls in ENGINE_FLAVOURS.items() if ck.container in fls)
+        rec = dict(ck.record) if ck.record else {"qatfactory_export": 1, "engine": engine, "flavour": ck.container}
         rec["scales_applied"] = {"scale_file": Path(scale_file).name, "task": meta.get("task", ""),
                                  "base": str(ck.path), "base_code_plane_sha256": ck.code_plane_sha256(),
                                  "scale_bytes_changed": changed,
