@@ -33,7 +33,7 @@ llama-cpp: install
 	$(BIN)/python scripts/llama_cpp_runtime.py ensure
 
 test: install llama-cpp
-	$(BIN)/ruff check qatfactory exporters
+	$(BIN)/ruff check qatfactory exporters readers
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m "not cuda and not multi_gpu" -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests $(PYTEST_ARGS)
 
 demo: install llama-cpp

@@ -11,8 +11,10 @@ setup(
     # package, where qatfactory/_recipes.py and kernels/loader.py look first on an installed copy; they
     # are data folders, not Python packages, so no __init__.py
     packages=find_packages(include=["qatfactory", "qatfactory.*"])
-    + ["qatfactory.exporters", "qatfactory.exporters.verify", "qatfactory.recipes", "qatfactory.csrc"],
-    package_dir={"qatfactory.exporters": "exporters", "qatfactory.recipes": "recipes", "qatfactory.csrc": "csrc"},
+    + ["qatfactory.exporters", "qatfactory.exporters.verify", "qatfactory.readers", "qatfactory.recipes",
+       "qatfactory.csrc"],
+    package_dir={"qatfactory.exporters": "exporters", "qatfactory.readers": "readers", "qatfactory.recipes": "recipes",
+                 "qatfactory.csrc": "csrc"},
     package_data={"qatfactory": ["faces/eval_tasks/*.yaml", "faces/eval_tasks/*.py"],
                   "qatfactory.recipes": ["*.yaml", "*/*.yaml"],
                   "qatfactory.csrc": ["*.cu", "*.cuh"]},

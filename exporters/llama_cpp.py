@@ -45,7 +45,14 @@ import torch
 
 from qatfactory.formats import ConvertedModel, PackedTensor, get_format
 from qatfactory.formats import codecs as C
-from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, GGMLType, GGUFLayout
+from qatfactory.formats.layouts import (
+    ENGINE_FLAVOURS,
+    GGUF_GLOBAL_SCALE,
+    GGUF_INPUT_SCALE,
+    Codec,
+    GGMLType,
+    GGUFLayout,
+)
 
 from . import kv as KV  # the cache type the student was trained for
 from .base import (
@@ -356,10 +363,10 @@ class LlamaCppExporter(Exporter):
                                    lambda name=name, p=p, nh=nh: packed_rows(name, p, nh))
             stem = gname[: -len(".weight")]
             if gs is not None:
-                plan[stem + ".scale"] = f32([gs])
+                plan[stem + GGUF_GLOBAL_SCALE] = f32([gs])
             m = module_of(name)
             if mode == "w4a4" and m in converted.input_amax:
-                plan[stem + ".input_scale"] = f32([act_scale(m)])
+                plan[stem + GGUF_INPUT_SCALE] = f32([act_scale(m)])
 
         # tied lm_head: no output.weight, llama.cpp then reuses token_embd (as transformers' GGUF
         # loader infers tie_word_embeddings from the absence of output.weight)
@@ -405,10 +412,10 @@ class LlamaCppExporter(Exporter):
             stem = gname[: -len(".weight")]
             gss = [it[4] for it in items]
             if any(g is not None for g in gss):
-                plan[stem + ".scale"] = f32(gss)
+                plan[stem + GGUF_GLOBAL_SCALE] = f32(gss)
             if mode == "w4a4" and all(module_of(it[0]) in converted.input_amax for it in items):
                 # one per expert: llama.cpp checks the shape [n_expert] (as for .scale)
-                plan[stem + ".input_scale"] = f32([act_scale(module_of(it[0])) for it in items])
+                plan[stem + GGUF_INPUT_SCALE] = f32([act_scale(module_of(it[0])) for it in items])
 
         if type_counts:
             main = max(type_counts, key=type_counts.get)

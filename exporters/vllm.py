@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from qatfactory.formats import ConvertedModel, get_format
-from qatfactory.formats.layouts import ENGINE_FLAVOURS, Codec, SafetensorsLayout
+from qatfactory.formats.layouts import ENGINE_FLAVOURS, FLAVOUR_TENSORS, MODELOPT_CONFIG_FILE, Codec, SafetensorsLayout
 from qatfactory.formats.policy import tensor_role
 
 from . import kv as KV  # k/v scales and kv-cache config keys
@@ -200,27 +200,28 @@ class SafetensorsExporter(Exporter):
             if name not in skip:
                 tensors[name] = t
         sdt = _scale_dtype(lay, converted)
+        T = FLAVOUR_TENSORS[flavour]     # the tensor names of the flavour (the readers read the same table)
         for name, p in converted.packed.items():
             m = module_of(name)
             if flavour == "modelopt":   # E2M1_E4M3_FP32 (the only codec with a ModelOpt algo): S multiplied
-                tensors[m + ".weight"] = p.codes
-                tensors[m + ".weight_scale"] = p.scales.view(sdt)
-                tensors[m + ".weight_scale_2"] = _f32_scalar(p.global_scale)
+                tensors[m + T.codes] = p.codes
+                tensors[m + T.block_scales] = p.scales.view(sdt)
+                tensors[m + T.global_scale] = _f32_scalar(p.global_scale)
                 if mode == "w4a4":
-                    tensors[m + ".input_scale"] = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
+                    tensors[m + T.input_scale] = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
             elif lay.codec is Codec.INT4_FP16:
-                tensors[m + ".weight_packed"] = pack_int4(p.codes)
-                tensors[m + ".weight_scale"] = _int4_scale(name, p, sdt)
+                tensors[m + T.codes] = pack_int4(p.codes)
+                tensors[m + T.block_scales] = _int4_scale(name, p, sdt)
                 tensors[m + ".weight_shape"] = torch.tensor(list(p.shape), dtype=torch.int64)
             else:
-                tensors[m + ".weight_packed"] = p.codes
-                tensors[m + ".weight_scale"] = p.scales.view(sdt)
+                tensors[m + T.codes] = p.codes
+                tensors[m + T.block_scales] = p.scales.view(sdt)
                 if lay.codec is Codec.E2M1_E4M3_FP32:
                     # compressed-tensors divides by a global scale: store the reciprocal of S in fp32
-                    tensors[m + ".weight_global_scale"] = (1.0 / _f32_scalar(p.global_scale)).reshape(1)
+                    tensors[m + T.global_scale] = (1.0 / _f32_scalar(p.global_scale)).reshape(1)
                     if mode == "w4a4":
                         s_a = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
-                        tensors[m + ".input_global_scale"] = (1.0 / s_a).reshape(1)
+                        tensors[m + T.input_scale] = (1.0 / s_a).reshape(1)
         untie = flavour == "modelopt" and ties_embeddings(converted) and EMBED in converted.dense
         if untie:
             # vLLM (0.24, checked on an H200) cannot tie lm_head under a ModelOpt quantization config: its
@@ -252,8 +253,8 @@ class SafetensorsExporter(Exporter):
             algo, scheme = KV.modelopt_kv_config(converted)     # None/None without a KV format
             hf_quant["quantization"]["kv_cache_quant_algo"] = algo
             qc["kv_cache_quant_algo"], qc["kv_cache_scheme"] = algo, scheme
-            write_json(out / "hf_quant_config.json", hf_quant)
-            files.append("hf_quant_config.json")
+            write_json(out / MODELOPT_CONFIG_FILE, hf_quant)
+            files.append(MODELOPT_CONFIG_FILE)
         else:
             qc = self._ct_config(lay, mode, exclude)
             qc["kv_cache_scheme"] = KV.ct_kv_scheme(converted)

@@ -1,6 +1,7 @@
 """The import arrows of DESIGN.md, walked from the sources (every import, inside functions too):
 
     formats <- kernels <- nn <- quantize <- train <- faces (cli, demo, ...)        formats <- exporters <- faces
+                                                                                  formats <- readers <- native, train, faces
 
 with distill (losses, RL) and native (native 4-bit checkpoints) at the quantize level, and the leaf
 utilities (exit codes, atomic directories, recipes, assets, CPU probing) importable by anyone. A new
@@ -13,8 +14,9 @@ LEAF = {"exitcodes", "_fsutil", "_inputs", "_quiet", "_recipes", "_rdata", "asse
 FACES = {"faces", "__main__"}
 CORE = {"formats": set(), "kernels": {"formats"}, "nn": {"formats", "kernels"},
         "quantize": {"formats", "kernels", "nn"}, "distill": {"formats", "kernels", "nn", "quantize"},
-        "native": {"formats", "kernels", "nn", "quantize"}, "exporters": {"formats"},
-        "train": {"formats", "kernels", "nn", "quantize", "distill", "native"}}
+        "native": {"formats", "kernels", "nn", "quantize", "readers"}, "exporters": {"formats"},
+        "readers": {"formats"},
+        "train": {"formats", "kernels", "nn", "quantize", "distill", "native", "readers"}}
 
 
 def allowed(src: str):
@@ -29,15 +31,16 @@ def allowed(src: str):
 
 def _module(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "exporters":
-        parts = ["qatfactory", "exporters"] + parts[1:]
+    if parts[0] in ("exporters", "readers"):     # installed as qatfactory.exporters / qatfactory.readers
+        parts = ["qatfactory", parts[0]] + parts[1:]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _files():
-    for f in sorted((ROOT / "qatfactory").rglob("*.py")) + sorted((ROOT / "exporters").rglob("*.py")):
+    for f in sorted((ROOT / "qatfactory").rglob("*.py")) + sorted((ROOT / "exporters").rglob("*.py")) + \
+            sorted((ROOT / "readers").rglob("*.py")):
         rel = f.relative_to(ROOT).parts
-        if "__pycache__" in rel or rel[:2] == ("qatfactory", "exporters"):
+        if "__pycache__" in rel or rel[:2] in (("qatfactory", "exporters"), ("qatfactory", "readers")):
             continue
         yield f
 
@@ -81,8 +84,9 @@ def test_the_walk_sees_the_arrows_it_should():
     # a walker that finds nothing proves nothing
     seen = {(a, b) for _, _, a, b in arrows()}
     assert {("nn", "formats"), ("kernels", "formats"), ("quantize", "nn"), ("train", "quantize"),
-            ("exporters", "formats")} <= seen
+            ("exporters", "formats"), ("readers", "formats"), ("native", "readers")} <= seen
     assert allowed("formats") == LEAF and "train" not in allowed("exporters")
+    assert not {"nn", "quantize", "train", "exporters"} & allowed("readers") and "readers" not in allowed("exporters")
 
 
 # the training performance levers (train/levers.py installs them) reach into the core through hooks the

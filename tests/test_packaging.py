@@ -57,6 +57,9 @@ def test_wheel_installs_outside_the_checkout_and_trains_exports_verifies(tmp_pat
     recipes = {p.relative_to(ROOT / "recipes").as_posix() for p in (ROOT / "recipes").rglob("*.yaml")}
     assert recipes and {"qatfactory/recipes/" + r for r in recipes} <= names
     assert {"qatfactory/csrc/" + p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh")} <= names
+    # the top-level exporters/ and readers/ folders ship as qatfactory.exporters / qatfactory.readers
+    for pkg in ("exporters", "readers"):
+        assert {f"qatfactory/{pkg}/{p.name}" for p in (ROOT / pkg).glob("*.py")} <= names, pkg
     tasks = {p.name for p in (ROOT / "qatfactory" / "eval_tasks").glob("*.yaml")}
     assert tasks and {"qatfactory/faces/eval_tasks/" + t for t in tasks} <= names
     assert "Requires-Python: >=3.11,<3.13" in meta.splitlines()

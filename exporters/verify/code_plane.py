@@ -7,11 +7,11 @@
 Called by the ship paths of method=scale_adapter (train/methods/scale_adapter.py, ``qatfactory scales``) with the
 base checkpoint the adapter was trained on. Both directories are read here with the containers' own
 libraries (safetensors; gguf-py, Q/K rows un-permuted with transformers' GGUF code), nothing of the
-loader that trained (qatfactory/native.py) or of the exporters, and compared per 4-bit tensor:
+reader that trained (readers/, qatfactory.readers) or of the exporters, and compared per 4-bit tensor:
 
 * codes: the E2M1 code of every element equal (any container: ModelOpt / compressed-tensors pairs,
   GGUF NVFP4 / MXFP4 blocks); the code-plane SHA-256 of both sides in the row, defined as in
-  native.py (tensors in name order: ``name \\0 rows x bytes \\0`` + E2M1 pairs, element 2i low);
+  readers/base.py (tensors in name order: ``name \\0 rows x bytes \\0`` + E2M1 pairs, element 2i low);
 * per-tensor scale as the engine applies it (ModelOpt S, compressed-tensors fl(1/G), GGUF .scale): equal;
 * every dense tensor equal in value (bytewise within one container);
 * the scale bytes are the only thing that differs (their changed fraction is a note).

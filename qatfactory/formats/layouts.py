@@ -37,6 +37,14 @@ ENGINE_CONTAINER = {"vllm": "safetensors", "sglang": "safetensors", "llama_cpp":
 ENGINE_FLAVOURS = {"vllm": ("modelopt", "compressed-tensors"), "sglang": ("modelopt", "compressed-tensors"),
                    "llama_cpp": ("gguf",)}
 FLAVOUR_ALIASES = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
+# the flavour names are the containers' own: config.json quantization_config.quant_method ("modelopt",
+# "compressed-tensors") and hf_quant_config.json producer.name ("modelopt")
+MODELOPT, COMPRESSED_TENSORS = ENGINE_FLAVOURS["vllm"]
+GGUF_FLAVOUR = ENGINE_FLAVOURS["llama_cpp"][0]
+# the ModelOpt export's own quantization record beside config.json (older exports carry only this one)
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"
+# compressed-tensors' top-level "format" when config groups differ; each group then names its own
+CT_MIXED_FORMAT = "mixed-precision"
 
 
 class Codec(enum.StrEnum):
@@ -132,3 +140,43 @@ class SafetensorsLayout:
             raise ValueError(f"SafetensorsLayout: strategy={self.strategy!r} with group_size={self.group_size!r}; "
                              f"a per-row scale is strategy 'channel' with group_size None, any other has a group")
 
+
+
+@dataclass(frozen=True)
+class ContainerTensors:
+    """The tensors a safetensors flavour stores for one E2M1 linear ``<m>``: suffixes of the module name.
+
+    ``global_scale`` is the fp32 per-tensor scale of a codec that has one (E2M1_E4M3_FP32): S itself,
+    multiplied at decode, or (``global_scale_divides``) G = 1/S, which the engine divides by (multiplies
+    by fl(1/G)). ``input_scale`` exists only in an activation-quantized (W4A4) checkpoint."""
+
+    codes: str              # uint8 [out, in/2], E2M1 pairs
+    block_scales: str       # [out, in/group], the layout's scale_dtype
+    global_scale: str
+    global_scale_divides: bool
+    input_scale: str
+
+
+# vLLM 0.33 quantization/modelopt.py and compressed_tensors/ (ModelOpt 0.47 unified_export_hf.py,
+# compressed-tensors 0.20.1 compressors/nvfp4, mxfp4): what the exporters write and the readers read
+FLAVOUR_TENSORS = {
+    MODELOPT: ContainerTensors(codes=".weight", block_scales=".weight_scale", global_scale=".weight_scale_2",
+                               global_scale_divides=False, input_scale=".input_scale"),
+    COMPRESSED_TENSORS: ContainerTensors(codes=".weight_packed", block_scales=".weight_scale",
+                                         global_scale=".weight_global_scale", global_scale_divides=True,
+                                         input_scale=".input_global_scale"),
+}
+
+# GGUF: the F32 tensor beside a repacked E2M1_E4M3_FP32 weight ``<name>`` (``<name minus .weight>.scale``) that
+# holds S, multiplied by llama.cpp after the matmul; ``.input_scale`` likewise for W4A4 activations
+GGUF_GLOBAL_SCALE = ".scale"
+GGUF_INPUT_SCALE = ".input_scale"
+# GGUF tensor types that hold a dense (unquantized) tensor, with the torch dtype it is read into
+GGUF_DENSE_TYPES = {GGMLQuantizationType.F32: "float32", GGMLQuantizationType.F16: "float16",
+                    GGMLQuantizationType.BF16: "bfloat16"}
+
+# the format a checkpoint of each frozen-code codec family reads back as: the container stores the bytes and
+# not the scale rule that made them, and this format decodes every rule's bytes (mxfp4 decodes the bytes of
+# mxfp4_rceil / mxfp4_even alike); its spec's layouts name the container fields (ct_format, modelopt_algo,
+# group_size, scale_dtype, ggml_type) a reader matches
+CODEC_READ_AS = {Codec.E2M1_E4M3_FP32: "nvfp4", Codec.E2M1_E8M0: "mxfp4"}
