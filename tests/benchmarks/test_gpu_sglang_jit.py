@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import carry_plan as CP  # noqa: E402

@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: smollm2_shapes
 import kv_decorrelation as D  # noqa: E402
 from smollm2_shapes import smollm2_dir  # noqa: E402
 

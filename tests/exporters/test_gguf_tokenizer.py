@@ -25,7 +25,7 @@ from qatfactory.exporters.gguf_tokenizer import PROBES, tokenizer_parity
 from qatfactory.exporters.gguf_vocab import _LLAMA3_RE, _QWEN2_RE
 
 gguf = pytest.importorskip("gguf")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @functools.lru_cache(maxsize=None)

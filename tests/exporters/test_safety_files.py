@@ -21,7 +21,7 @@ from test_exporters_helpers import build_tokenizer, tiny_config
 from qatfactory import _fsutil
 from qatfactory.faces.export import load_converted, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ CHILD = textwrap.dedent("""
 
 
 def _child(where, student, out):
-    code = CHILD.format(tests=str(Path(__file__).parent))
+    code = CHILD.format(tests=str(REPO / "tests"))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code, where, str(student), str(out)], capture_output=True, text=True,
                        env=env, timeout=300)
@@ -305,7 +305,7 @@ def test_two_processes_writing_the_same_asset_directory_at_once_both_finish(tmp_
             (t / "b").write_text(sys.argv[1])
         print("finished", sys.argv[1])
     """)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     first = subprocess.Popen([sys.executable, "-c", code, "one", "3"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     import time

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tamper_helpers import exported, gguf_rw
 
+TESTS = Path(__file__).resolve().parents[1]   # the child imports the shared helpers from tests/
 MX = "llama_cpp-gguf-qwen3-mxfp4-w4a16"     # 1 block, hidden 256, 4 heads x 64, 2 kv heads, vocab 320
 QK = "llama_cpp-gguf-llama-q4_k_m-w4a16"    # no key_length: heads x (hidden / heads) rows
 
@@ -33,7 +34,7 @@ def _gate_in_child(tmp_path, cm, out):
     pk = tmp_path / "student.pkl"
     pk.write_bytes(pickle.dumps(cm))
     res = tmp_path / "res.json"
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(out), str(pk), str(Path(__file__).parent), str(res)],
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(out), str(pk), str(TESTS), str(res)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(res.read_text())

@@ -2,7 +2,7 @@
 compressed-tensors NVFP4, compressed-tensors MXFP4): every edit below gives FAIL (or INCOMPLETE when a
 required library is hidden), never PASS, and the rows name what is wrong. The exports are real
 matrix cells; the edits are what a hostile or careless user could do to the files.
-(GGUF: tests/test_verify_tamper_gguf.py.)"""
+(GGUF: tests/exporters/test_verify_tamper_gguf.py.)"""
 from __future__ import annotations
 
 import json

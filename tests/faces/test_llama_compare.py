@@ -2,7 +2,7 @@
 llama-quantize's own files against the teacher converted by llama.cpp's converter.
 
 On SmolLM2's shapes (2 random layers, the real tokenizer): our PTQ Q4_K_M export without an
-importance matrix has llama-quantize's bytes (tests/test_llama_quantize.py), so llama.cpp must give
+importance matrix has llama-quantize's bytes (tests/exporters/test_llama_quantize.py), so llama.cpp must give
 it exactly llama-quantize's KL and perplexity; the imatrix file is another quantization."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 
 from qatfactory.faces.cli import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_llm
 from tiny_llm import tiny_llama, train_bpe  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from qatfactory.formats.layouts import (Codec, GGMLType, GGUFLayout, LlamaFileTy
                                         ScaleRule, TieRule)
 from qatfactory.formats.mxfp4 import MXFP4Format
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TOY_INT4 = FormatSpec(
     name="toy_int4_g64", engine="test toy: ParetoQ 4-bit LSQ grid, one scale per 64 elements, in llama.cpp Q4_0",

@@ -14,7 +14,7 @@ from qatfactory import kernels as K
 from qatfactory.formats import get_format
 from qatfactory.kernels import loader
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def _x(k=256, rows=4, dtype=torch.bfloat16, seed=0):

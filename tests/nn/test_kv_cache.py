@@ -59,7 +59,7 @@ def test_the_attention_wrapper_alone_changes_no_bit(inner):
 EXACT = [
     # arch,       weights preset, kv format,         strategy, kv calib, train  (the first fp8_e4m3 row also trains
     # with kv_attention=fa3, vLLM's FP8 attention arithmetic on top of the cache, the others with the default,
-    # none: the cache write only; see also tests/test_kv_attention.py)
+    # none: the cache write only; see also tests/nn/test_nn_kv_attention.py)
     ("llama", "nvfp4_w4a16", "fp8_e4m3", "frozen", "max", True),
     ("qwen2", "nvfp4_w4a4", "fp8_e4m3", "frozen", "mse", True),
     ("qwen3", "nvfp4_w4a4", "nvfp4_kv", "frozen", "max", True),
@@ -279,6 +279,6 @@ def test_docs_kv_table_matches_the_registry():
     import re
     from pathlib import Path
     from qatfactory.formats.kv import markdown_table
-    text = (Path(__file__).resolve().parents[1] / "docs" / "kv-cache.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "kv-cache.md").read_text()
     m = re.search(r"<!-- kv-formats-table -->\n(.*?)\n<!-- /kv-formats-table -->", text, re.S)
     assert m and m.group(1).strip() == markdown_table().strip()

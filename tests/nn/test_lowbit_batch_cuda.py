@@ -1,6 +1,6 @@
 """The batched ParetoQ fake quant on the GPU (run on the H200 with ``pytest -m cuda``): the trainer's one call
 per group gives each member's fake-quantized weight and its W and alpha gradients with the bits of the
-per-linear call. On a CPU tests/test_lowbit_batch.py proves it; here the question is CUDA's row-sum
+per-linear call. On a CPU tests/nn/test_lowbit_batch.py proves it; here the question is CUDA's row-sum
 reduction, whose launch configuration depends on the number of rows: the alpha gradient sums each row
 over the same K elements in both paths, and this test says whether CUDA orders them the same way."""
 import pytest

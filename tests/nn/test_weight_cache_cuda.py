@@ -25,7 +25,7 @@ ok, why = loader.probe()
 if not ok:
     pytest.skip(f"CUDA kernels unavailable: {why}", allow_module_level=True)
 
-from tests.test_weight_cache import _all_sites, _model, _train  # noqa: E402
+from test_weight_cache import _all_sites, _model, _train  # noqa: E402
 
 EAGER = {"attn_implementation": "eager"}
 

@@ -1,6 +1,6 @@
 """train/levers.py: every training performance lever is switched by a train.* config field, never by the
 environment, inside the run's scope only (undone after it); a bad value is refused with exit 3 naming the
-field. The bits each lever computes are tests/test_method_bits.py's and each lever's own test's."""
+field. The bits each lever computes are tests/train/test_method_bits.py's and each lever's own test's."""
 from __future__ import annotations
 
 import types

@@ -13,8 +13,8 @@ import pytest
 
 from test_train import TEXT
 
-REPO = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parents[1]   # tests/, where toy_method.py lives
 
 
 def _cli(*args):

@@ -21,7 +21,7 @@ from qatfactory._fsutil import RUN_LOCK
 from qatfactory.exitcodes import UnsafeFileError
 from qatfactory.train import reshard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _one_line(out: str) -> str:

@@ -19,7 +19,7 @@ from qatfactory import exitcodes as X
 from qatfactory import native as N
 from qatfactory.exporters import export
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens 0123456789"]
 
 

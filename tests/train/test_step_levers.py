@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 BASE = ["train=cpu_tiny", "train.precision=bf16", "model.dtype=bfloat16", "data.synthetic=24", "data.seq_len=32",

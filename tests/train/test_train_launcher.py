@@ -24,7 +24,7 @@ import torch
 from rank_launch import clean_env, free_port
 from test_train import _losses, _run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMON = ["method=qad", "format=nvfp4_w4a16", "train=cpu_tiny", "data.synthetic=16", "data.seq_len=32",
           "data.eval_samples=4", "train.eval_every=0", "train.max_steps=3", "train.lr=1e-3",
           "model.tiny.initializer_range=0.3"]

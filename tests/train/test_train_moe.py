@@ -3,7 +3,7 @@ the configuration refuses impossible shapes with the field named, QAD and QAT tr
 experts, and the trained student's forward runs its experts on exactly the NVFP4 values that NVIDIA Model Optimizer's
 own NVFP4 quantizer (NVFP4QTensor, one per-tensor scale per expert: vLLM's ``w13_weight_scale_2``) gives
 for the trained expert weights: an oracle that shares no code with ours. The per-step weight cache on
-the MoE is checked against the per-forward path in tests/test_weight_cache.py."""
+the MoE is checked against the per-forward path in tests/nn/test_weight_cache.py."""
 import copy
 
 import pytest

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 COMMON = ["format=nvfp4_w4a4", "quant.scale_strategy=learnable", "train=cpu_tiny", "model.dtype=float32",
           "model.tiny.initializer_range=0.3", "data.synthetic=24", "data.seq_len=32", "data.eval_samples=4",

@@ -24,7 +24,7 @@ from test_train import BASE, _losses, _run
 
 from qatfactory.faces import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 Q = ["method=qat", "format=nvfp4_w4a16", "model.tiny.initializer_range=0.3", "model.dtype=float32"]
 
 
@@ -364,7 +364,7 @@ def test_kill9_during_a_checkpoint_save_then_resume_is_bit_exact(done_run, tmp_p
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):   # this process's group
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(Path(__file__).parent)), "4", *over],
+    p = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(REPO / "tests")), "4", *over],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-3000:])
     ck = tmp_path / "k" / "checkpoints"

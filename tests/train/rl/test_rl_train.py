@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SAY7 = ["format=nvfp4_w4a16", "train=cpu_tiny", "method.rl.task=say7", "method.rl.max_new_tokens=4",
         "method.rl.mask_truncated=false", "method.rl.lora_rank=8", "method.rl.n_eval=8", "train.eval_every=0",
         "model.tiny.initializer_range=0.3", "train.lr=2e-2"]
