@@ -10,7 +10,7 @@ cannot be built without CUDA, so a CPU count of a GPU step would otherwise measu
 bias correction); DeepSpeed's own ``FusedAdam.step`` (the grouping, the step counter) runs unchanged.
 It is not bit-equal to the CUDA kernel and is not meant to be: it is used to count the host work
 around the optimizer (benchmarks/step_counts.py) and to compare two DeepSpeed paths with the same
-optimizer (tests/test_step_levers.py). On CUDA the kernel is one launch per 320 chunks of 65,536
+optimizer (tests/train/test_step_levers.py). On CUDA the kernel is one launch per 320 chunks of 65,536
 elements (``multi_tensor_apply``); :func:`cuda_launches` gives that count for a list of sizes.
 """
 from __future__ import annotations

@@ -95,7 +95,7 @@ SHAPE_NAMES = {"llama1b": "random Llama hidden 2048 x 16 layers",
 BEFORE = " [before: weight cache off, unfused loss]"
 BEFORE_OVER = ["method.loss.fused=false", "train.weight_cache=false"]
 HAS_BEFORE = ("QAT W4A16 (CE)", "QAT W4A4 (CE)", "QAD W4A16 live teacher", "QAD W4A16 cached teacher (top-64)")
-# the host work of the step (train/ds_step.py; the same bits, tests/test_step_levers.py): DeepSpeed's
+# the host work of the step (train/ds_step.py; the same bits, tests/train/test_step_levers.py): DeepSpeed's
 # own bf16 ZeRO-0 step (a host read and copies per parameter), its one-rank all-reduce and throughput timer
 BEFORE_DS = " [before: stock DeepSpeed step]"
 BEFORE_DS_OVER = ["train.lean_step=false", "train.ds_timers=true"]
@@ -116,7 +116,7 @@ def variants(fmt: str, before: bool = False):
         "QAD W4A16 cached teacher (top-64)": ["method=qad", w16, "method.teacher=cached", "method.topk=64"],
         "LoRA-QAD W4A16 (r=16)": ["method=qad_lora", w16, "quant.lora.rank=16"],
         # the DeepSpeed step paths and the activation-memory lever (rows to measure beside the default;
-        # tests/test_step_levers.py, tests/test_lean_act.py say what they compute)
+        # tests/train/test_step_levers.py, tests/nn/test_lean_act.py say what they compute)
         "bf16 SFT, ZeRO-1": ["method=qat", "format=bf16", "method.eval_teacher=false", "train.zero_stage=1"],
         "bf16 SFT, ZeRO-1 BF16_Optimizer (fp32 grads, immediate update)":
             ["method=qat", "format=bf16", "method.eval_teacher=false", "train.zero_stage=1",

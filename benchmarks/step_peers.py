@@ -21,7 +21,7 @@ more row, ``plain loop, fp32 masters, eager experts``: the plain loop on the imp
 Optimizer forces, which splits its time into the eager loop's cost and its quantizers'. Every MoE row
 of Model Optimizer carries a note read from the quantized model itself (how many expert tensors have
 enabled quantizers, the experts implementation in effect); a row whose experts came out unquantized is
-marked ``not comparable`` and its goal line says so instead of a ratio (tests/test_step_bench.py checks
+marked ``not comparable`` and its goal line says so instead of a ratio (tests/benchmarks/test_step_bench.py checks
 on a CPU that 0.47 reaches the experts).
 
     python benchmarks/step_peers.py --only "plain loop, bf16 params" [--steps 10 --model llama1b]
@@ -42,7 +42,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# the shapes of benchmarks/step.py's MODELS (kept in step with it by tests/test_step_bench.py)
+# the shapes of benchmarks/step.py's MODELS (kept in step with it by tests/benchmarks/test_step_bench.py)
 SHAPES = {
     "llama1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                     num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False),

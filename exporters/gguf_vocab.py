@@ -32,7 +32,7 @@ Decisions:
       Split(Qwen3.5 regex) + ByteLevel(use_regex=false)-> "qwen35"
 
   (llama.cpp's own converter identifies tokenizers by hashing their output on a probe text;
-  tests/test_gguf_tokenizer.py checks that it names the same pre-tokenizer for SmolLM2.) Anything
+  tests/exporters/test_gguf_tokenizer.py checks that it names the same pre-tokenizer for SmolLM2.) Anything
   else gets the architecture's usual name and ``pre_guess`` in the record, and the parity gate's
   llama.cpp tokenization check (exporters/gguf_tokenizer.py) says whether it holds.
 """

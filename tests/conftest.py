@@ -10,7 +10,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))  # tests/ggml_oracle.py and other test helpers
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Tests import the shared helpers that live in tests/ itself (tiny_llm, quant_helpers, ggml_oracle, ...; see
+# tests/README.md) and a few test modules of a subfolder by bare name (`from test_train import BASE` in
+# nn/test_lowbit_batch.py). The subfolders are not packages (pytest imports their files by basename, so every
+# test file's name is unique), so the folders such imports read from are put on sys.path here, whichever file
+# pytest collects first.
+for _folder in ("train",        # test_train, test_compose_checks, test_train_safety, test_train_resume_ranks
+                "nn",           # test_lowbit, test_weight_cache
+                "exporters",    # test_exporters*, test_gguf_tokenizer, test_verify_gguf_sizes
+                ""):            # tests/ first: the shared helpers
+    sys.path.insert(0, os.path.join(_HERE, _folder) if _folder else _HERE)
 
 import pytest  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A few CPU steps of every built-in method through the public entry (``qatfactory.train.run``), reduced to
 what must not move when the trainer's insides change: every logged number but the timings, and a SHA-256
 of the trained module's tensors. ``python tests/method_bits.py --write`` records them
-(tests/data/method_bits.json); tests/test_method_bits.py runs the same arms and compares."""
+(tests/data/method_bits.json); tests/train/test_method_bits.py runs the same arms and compares."""
 import argparse
 import hashlib
 import json

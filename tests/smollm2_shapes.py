@@ -1,5 +1,6 @@
 """A random model with SmolLM2-135M's widths and the real SmolLM2 tokenizer, for the tests that run
-llama.cpp's own converter and tools on it (tests/test_llama_quantize.py, tests/test_llama_compare.py)."""
+llama.cpp's own converter and tools on it (tests/exporters/test_llama_quantize.py,
+tests/faces/test_llama_compare.py)."""
 from __future__ import annotations
 
 import shutil

@@ -1,8 +1,8 @@
 """No helper module of ours may take the name of a real package.
 
-Tests and scripts put tests/, scripts/, the benchmark folders and tools/gpu first on sys.path (a script's own folder
-is always first). A file there named like an installed distribution's module, or like a package that
-transformers probes for, is imported in its place: transformers 5.25 found `kernels` installed, imported
+Tests and scripts put tests/ and its subfolders (pytest imports a test file from its own folder), scripts/, the
+benchmark folders and tools/gpu first on sys.path (a script's own folder is always first). A file there named
+like an installed distribution's module, or like a package that transformers probes for, is imported in its place: transformers 5.25 found `kernels` installed, imported
 `benchmarks/kernels.py` instead, and 432 tests failed in CI. This test fails on the next such name.
 """
 import functools
@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ON_PATH = ["tests", "scripts", "benchmarks", "benchmarks/gpu", "benchmarks/papers", "tools/gpu"]
+TEST_FOLDERS = sorted(str(d.relative_to(REPO)) for d in (REPO / "tests").rglob("*")
+                      if d.is_dir() and any(d.glob("*.py")))
+ON_PATH = ["tests", *TEST_FOLDERS, "scripts", "benchmarks", "benchmarks/gpu", "benchmarks/papers", "tools/gpu"]
 
 
 def _our_modules():

@@ -44,13 +44,13 @@ NOT_RUN = {
         "one GPU and the real SmolLM2-135M",
     "qatfactory train format=nvfp4_w4a16_kvfp8 ...": "`...`: the settings of a run of yours",
     "qatfactory train format=q4_k_kvq8_0 ...": "`...`: the settings of a run of yours",
-    "make demo": "13.7 min on the real SmolLM2-135M; tests/test_demo.py runs the demo's pipeline on a tiny model",
-    "qatfactory demo --quick": "minutes on the real SmolLM2-135M; tests/test_demo.py runs it on a tiny model",
+    "make demo": "13.7 min on the real SmolLM2-135M; tests/faces/test_demo.py runs the demo's pipeline on a tiny model",
+    "qatfactory demo --quick": "minutes on the real SmolLM2-135M; tests/faces/test_demo.py runs it on a tiny model",
     "qatfactory demo --model /path/to/hf_model_dir": "a model folder of yours and 100 steps per target",
     "make bench-cpu": "a benchmark (minutes): it times the emulators against libggml, its numbers are results",
-    "qatfactory eval runs/<run>/student": "a real model and tokenizer (`<run>`, `<model dir>`); tests/test_harness.py "
+    "qatfactory eval runs/<run>/student": "a real model and tokenizer (`<run>`, `<model dir>`); tests/faces/test_harness.py "
                                           "evaluates tiny students against hand computations",
-    "qatfactory eval out/gguf tasks=qf_arc_easy": "your copy of ARC-Easy (`/data/...`); tests/test_harness.py runs "
+    "qatfactory eval out/gguf tasks=qf_arc_easy": "your copy of ARC-Easy (`/data/...`); tests/faces/test_harness.py runs "
                                                   "the ARC task on a local file",
     "make install": "make test's own first step (Makefile: `test: install llama-cpp`)",
     "make llama-cpp": "make test's own second step (Makefile: `test: install llama-cpp`)",
@@ -60,12 +60,12 @@ NOT_RUN = {
 ELSEWHERE = {
     ".venv/bin/python -m pytest -q tests/test_import_arrows.py": ("tests/test_import_arrows.py", "def test_"),
     ".venv/bin/ruff check qatfactory exporters": ("Makefile", "$(BIN)/ruff check qatfactory exporters"),
-    "python benchmarks/papers/seqlen.py --smoke": ("tests/test_papers_smoke.py", "def test_seqlen_smoke"),
+    "python benchmarks/papers/seqlen.py --smoke": ("tests/benchmarks/test_papers_smoke.py", "def test_seqlen_smoke"),
     # the test runs the sweep's smoke mode on two of the grids (4 and 1.58 bits) to stay within seconds
-    "python benchmarks/papers/paretoq_bits.py --smoke": ("tests/test_paretoq_papers.py", "def test_bit_sweep_smoke"),
-    "LOCAL=1 bash benchmarks/gpu/scaling.sh smoke": ("tests/test_bench_scaling.py",
+    "python benchmarks/papers/paretoq_bits.py --smoke": ("tests/benchmarks/test_paretoq_papers.py", "def test_bit_sweep_smoke"),
+    "LOCAL=1 bash benchmarks/gpu/scaling.sh smoke": ("tests/benchmarks/test_bench_scaling.py",
                                                      '"benchmarks/gpu/scaling.sh", "smoke"'),
-    "python benchmarks/papers/scale_qlora.py --smoke": ("tests/test_bench_scale_qlora.py", 'sq.main(["--smoke"'),
+    "python benchmarks/papers/scale_qlora.py --smoke": ("tests/benchmarks/test_bench_scale_qlora.py", 'sq.main(["--smoke"'),
 }
 
 # The blocks in the order they run, each in a named working directory (a later block reads what an earlier one

@@ -24,7 +24,7 @@
 # end of these ranges or below; the first job of a fresh machine JIT-builds FusedAdam (~1 min, once).
 # The sequence on a fresh machine (carry lists as above; every call well under 600 s):
 #   1  PRESET=probe bash benchmarks/gpu/methods.sh preflight paretoq_split4s0
-#        the CUDA tests (incl. tests/test_lowbit_batch_cuda.py: batched == per-linear bits on CUDA) and a
+#        the CUDA tests (incl. tests/nn/test_lowbit_batch_cuda.py: batched == per-linear bits on CUDA) and a
 #        30-step probe of the split (PARETOQ_PROBE_STEPS): its step_ms rescales the split estimates below
 #   2  bash benchmarks/gpu/methods.sh stash paretoq_split4s0          (6 runs x 1,200 steps: ~4.5-8.5 min;
 #        above 0.05 s/step in the probe, run it as two calls: PARETOQ_FRACTIONS=0,0.05,0.1 then =0.2,0.4,1)
@@ -60,7 +60,7 @@
 # The rest of the design on an H100, 2026-12-07 (results/paretoq_runs_h100_20261206_07/20261207_kl_158_1_split_seed1),
 # four calls back to back on one machine:
 #   1 carry [.whl, .gpu/assets, .gpu/smollm2.gguf.parts.json]
-#     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
+#     PACK=1 T_PARETOQ=150 CUDA_TESTS=tests/nn/test_lowbit_batch_cuda.py PARETOQ_FRACTIONS=0.1 \
 #       bash benchmarks/gpu/methods.sh preflight paretoq_split4s1 paretoq_split2s1                    (188 s)
 #   2 carry [.gpu/smollm2.gguf.part-aa]
 #     PACK=1 PARETOQ_FRACTIONS=0.05,0.2 bash benchmarks/gpu/methods.sh stash paretoq_split4s1 paretoq_split2s1  (226 s)
@@ -209,10 +209,10 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
         # the data files first: some GPU tests read them from the cache (the machine has no PyPI)
         DATA_ONLY=1 assets 2>&1 | tee -a "$OUT/methods.log"
         # every GPU-only test (pytest -m cuda): they never run in CI, so they run here first. A module whose
-        # CPU-only dependency the image lacks (lm_eval: tests/test_harness.py holds no cuda test) is left out
+        # CPU-only dependency the image lacks (lm_eval: tests/faces/test_harness.py holds no cuda test) is left out
         # by name, so that the count below has no collection error to explain. CUDA_TESTS="tests/x.py ..." runs
         # only those files (a re-check of one fix on a machine staged for something else)
-        ign=(); $PY -c "import lm_eval" 2>/dev/null || ign=(--ignore=tests/test_harness.py)
+        ign=(); $PY -c "import lm_eval" 2>/dev/null || ign=(--ignore=tests/faces/test_harness.py)
         timeout -k 5 "${T_CUDA_TESTS:-240}" $PY -m pytest -q -m cuda -p no:cacheprovider "${ign[@]}" ${CUDA_TESTS:-tests} > "$OUT/pytest_cuda.log" 2>&1
         echo "[methods] pytest -m cuda: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/methods.log"
         for j in "$@"; do run_job "$j"; done ;;

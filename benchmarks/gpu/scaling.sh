@@ -13,7 +13,7 @@
 #                                                        # strong N = 4 8 and the profile at 8
 # then here: python benchmarks/gpu/scaling.py report <the calls' scaling/ folders> >> benchmarks/RESULTS.md
 # Results: $OUT/scaling/scaling.jsonl (one record per launch), *.log, *.profile.json, tables.md.
-# Here, on CPU (gloo), a tiny shape of both models, so the script cannot rot (tests/test_bench_scaling.py):
+# Here, on CPU (gloo), a tiny shape of both models, so the script cannot rot (tests/benchmarks/test_bench_scaling.py):
 #   LOCAL=1 bash benchmarks/gpu/scaling.sh smoke
 # Knobs: WORLDS, SEQ (4096), GLOBAL (16 sequences per step, strong), GAS (2 per GPU, weak), STEPS (6),
 # WARMUP (2), MOE_LAYERS (24; 48 is the real model), T_LAUNCH (seconds per launch, 270), PY.

@@ -7,7 +7,7 @@
 #
 # 1. installs our stack from the carried wheels (tools/gpu/stage.sh install-ours -> /tmp/site), unless already there
 # 2. builds DeepSpeed's FusedAdam in the background while the GPU checks of the weight cache run:
-#    pytest -m cuda tests/test_weight_cache_cuda.py (kept fq(W) == per-forward fq(W), bit for bit, on the
+#    pytest -m cuda tests/nn/test_weight_cache_cuda.py (kept fq(W) == per-forward fq(W), bit for bit, on the
 #    kernels with batched fills)                            -> $OUT/step_pytest_cuda.log
 # 3. benchmarks/step.py with --before and the peers on the benchmark's Llama shape (hidden 2048, 16 layers,
 #    16/8 heads, MLP 5632, vocab 32000, batch 4 x 2048, bf16), rounds until TOTAL seconds from the start
@@ -76,7 +76,7 @@ if [ "$DEVICE" = cuda ]; then
     timeout 300 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder
 FusedAdamBuilder().load(); print('FusedAdam built')" > "$OUT/step_fusedadam.log" 2>&1 &
     BUILD=$!
-    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_weight_cache_cuda.py \
+    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/nn/test_weight_cache_cuda.py \
         > "$OUT/step_pytest_cuda.log" 2>&1
     echo "weight cache on the kernels: $(tail -1 "$OUT/step_pytest_cuda.log")"
     wait "$BUILD"; echo "FusedAdam: $(tail -1 "$OUT/step_fusedadam.log")"

@@ -24,7 +24,7 @@ in a 300-step 2-bit SEQ pilot. Every arm is one run of the framework's trainer, 
 checked by the parity gate at its end (``export=llama_cpp``) where the gate can run: its llama.cpp check needs
 llama.cpp's runtime (llama-cpp-python), which the GPU machine lacks, so there (``--export auto``, the default)
 the arms train without an export and the gate column says so; every grid's export passes the gate on a CPU
-(tests/test_exporters_lowbit.py, and ``--smoke`` here). SmolLM2's 576-wide rows are not a multiple of
+(tests/exporters/test_exporters_lowbit.py, and ``--smoke`` here). SmolLM2's 576-wide rows are not a multiple of
 llama.cpp's 256-element types: those linears use the ``*_q4_0`` variant of the same grid.
 The smoke mode (a random 2-layer Llama, a few steps) measures nothing: it runs every code path.
 
@@ -229,7 +229,7 @@ def report(out: Path, res: Dict[str, Any]) -> None:
     if any(r["gate_ok"] is None for r in res["arms"]):
         text += ["", "gate 'not run': those arms trained without an export (no llama.cpp runtime on that machine, "
                      "which the gate's llama.cpp check needs); every grid's GGUF export passes the gate on a CPU "
-                     "(tests/test_exporters_lowbit.py)."]
+                     "(tests/exporters/test_exporters_lowbit.py)."]
     if not t:
         text += ["", "No unquantized (teacher) row in these results: the calls that ran passed --no-teacher."]
     text += C.merged_note(res)

@@ -283,7 +283,7 @@ def common_train(device: str, run_dir: Path, seed: int, smoke: bool) -> List[str
     on the GPU; fp32 on a CPU), only the student saved, no plots per run.
 
     On the GPU, ZeRO-0 with DeepSpeed's FusedAdam, which the trainer's lean step (train/ds_step.py, on by
-    default; same bits as DeepSpeed's own step, tests/test_step_levers.py, ParetoQ grids and quant_start
+    default; same bits as DeepSpeed's own step, tests/train/test_step_levers.py, ParetoQ grids and quant_start
     included) runs without DeepSpeed's per-parameter work. A 135M model's GPU step is bound by the host
     issuing kernels; counted on a CPU per optimizer step (benchmarks/step_counts.py's 16-layer Llama,
     4-bit LSQ): 2,179 launches / 12 host reads, against 5,071 / 15 at ZeRO-1 with torch's AdamW (this

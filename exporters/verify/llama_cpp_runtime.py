@@ -11,7 +11,7 @@ and so often exact rounding ties, reach the first Q8 rounding bit for bit. The r
 those of the x86 SIMD quantizers llama.cpp runs (``quantize_row_q8_0``: d = fp16(amax/127),
 q = round-to-nearest-even(x * (127/amax)); ``quantize_row_q8_K`` = the reference:
 iscale = -127/max, q = nearest_int(iscale*x), d = 1/iscale), not ggml's *_ref Q8_0 (which uses
-1/d and roundf, and measurably differs); tests/test_llama_cpp_emulation.py compares them with
+1/d and roundf, and measurably differs); tests/exporters/test_llama_cpp_emulation.py compares them with
 libggml and with llama.cpp's own ``from_float``.
 
 The run uses an F32 KV cache and no flash attention, so attention adds no rounding of its own,

@@ -63,7 +63,7 @@ logits are freed once their log-softmax exists, so at most three ``[chunk, V]`` 
 time (autograd's path holds about twice that).
 The gradient differs from autograd's in rounding only: ``q`` and ``p`` are each divided by their own
 computed row sum (a rounded log-sum-exp is one factor on a whole row), which the tests measure to be
-closer to float64 than autograd's ``q * sum(p) - p`` (tests/test_distill_fused.py).
+closer to float64 than autograd's ``q * sum(p) - p`` (tests/distill/test_distill_fused.py).
 
 Arithmetic is float32, or float64 when the student's hidden states are float64 (the tests compare
 the sliced path with :func:`naive_lm_loss` there to 1e-10).
@@ -436,7 +436,7 @@ def _fused_chunk(student, teacher, labels: Optional[torch.Tensor], wt: torch.Ten
         return part, torch.zeros_like(logq)
     # each distribution divided by its own computed sum: the rounding of a row's log-sum-exp is one
     # factor on that row of exp(log softmax), which this removes (autograd's q * sum(p) - p removes
-    # the teacher's alone); measured closer to float64 than autograd (tests/test_distill_fused.py)
+    # the teacher's alone); measured closer to float64 than autograd (tests/distill/test_distill_fused.py)
     q = logq.exp_()
     qs = q.sum(-1)
     a_q = None if a is None else a / qs

@@ -24,7 +24,7 @@ reference/formats.md 3.6 and exporters.md 6.6) for ftype LLAMA_FTYPE_MOSTLY_Q4_K
 Not modelled: the 70B attn_v bump (needs llama.cpp's model-size class) and Falcon's rules.
 Norms and routers are not quantized here (return None). The token embedding gets llama.cpp's type
 (SmolLM2's tied 576-wide token_embd: q8_0, as ``llama-quantize ... Q4_K_M`` writes it, checked
-against the tool itself in tests/test_llama_quantize.py); the training side then fake-quantizes
+against the tool itself in tests/exporters/test_llama_quantize.py); the training side then fake-quantizes
 the embedding lookup and, tied, the output matmul with that same tensor (QuantEmbedding).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ the selected rows. So the training forward must look up exactly those dequantize
 Every format here quantizes each row on its own (blocks never cross a row; the importance matrix
 is per column; NVFP4's per-tensor scale comes from the amax of the whole table, passed in), so
 with ``dynamic`` scales the lookup quantizes only the rows it gathers: the same values as
-quantizing the whole table, for a fraction of the work (tests/test_nn.py checks the equality).
+quantizing the whole table, for a fraction of the work (tests/nn/test_nn.py checks the equality).
 Frozen / learnable scale state is per row of the whole table; those strategies quantize the table.
 
 A model that ties its output head to the embedding (SmolLM2, Qwen3-0.6B) runs the head as a

@@ -13,7 +13,7 @@ autograd keeps includes, besides what the linears need:
 (``torch.utils.checkpoint``, non-reentrant, of the norm and of the activation-times-up product only):
 a norm keeps its bf16 input (2H instead of 6H), the product keeps gate and up (4I instead of 6I). The
 recompute runs the same ops on the same inputs and the backward is autograd's own graph of them, so
-forward values and every gradient are bit-identical (tests/test_lean_act.py); the cost is the
+forward values and every gradient are bit-identical (tests/nn/test_lean_act.py); the cost is the
 recomputed norm (~8 launches each) and SiLU-and-product (2) in the backward. At the benchmarked H200
 shape (hidden 2048, MLP 5632, 16 layers, 4 x 2048 tokens) that is 2.06 GiB for the 33 norms and
 1.38 GiB for the 16 MLPs (benchmarks/step_memory.py).

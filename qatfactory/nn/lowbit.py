@@ -10,7 +10,7 @@ quantizers with their gradients as released, the scale kept on the engine's grid
     dynamic    none                             ParetoQ's init rule on the current weights each forward
 
 n_g = 1 per row, or K / group. Gradients (ParetoQ ``utils_quant.py``, also torchao 0.18
-``prototype/paretoq``; written here from its formulas, checked against it in tests/test_lowbit.py), with
+``prototype/paretoq``; written here from its formulas, checked against it in tests/nn/test_lowbit.py), with
 x = W / alpha_eff, N = the element count of the whole weight and g = 1/sqrt(N * Qp), Qp the integer
 positive bound before SEQ redefines it (7, 3, 1 for 4/3/2-bit LSQ; 1 for SEQ and sign):
 

@@ -13,8 +13,8 @@ that a forward pass reaches computes fq(W) of every member in one custom autogra
 ``CHUNK_ELEMS`` weights (rows concatenated; each row has its own alpha, each member its own gradient
 scale g = 1/sqrt(N Qp), given per row), and the others take their rows. The values are the per-linear
 call's: the same float32 operations on each element, row sums over the same K elements
-(tests/test_lowbit_batch.py: forward and gradients bit for bit against the per-linear path and ParetoQ's
-released quantizer on a CPU; tests/test_lowbit_batch_cuda.py asks the same of CUDA, whose row-sum launch
+(tests/nn/test_lowbit_batch.py: forward and gradients bit for bit against the per-linear path and ParetoQ's
+released quantizer on a CPU; tests/nn/test_lowbit_batch_cuda.py asks the same of CUDA, whose row-sum launch
 configuration depends on the number of rows). A member whose rows get no gradient in the backward (not
 used by that pass) gets None, as it would unbatched. Host syncs: one finite check per call.
 

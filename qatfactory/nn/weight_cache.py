@@ -33,8 +33,8 @@ epoch and quantizes the same way (format, dtype, device, row length K): their we
 row-wise in chunks of up to ``CHUNK_ELEMS`` elements and fake-quantized by one launch per chunk, with
 NVFP4's per-tensor amax given per row (each row carries its own tensor's -- or fused group's, or
 expert's -- amax). Blocks never cross a row and the per-tensor constants depend on the amax alone, so
-this gives the same bits as one launch per tensor (tests/test_weight_cache.py on the emulator,
-tests/test_kernels_cuda.py on the kernels). The amax of all fused groups comes from one multi-tensor
+this gives the same bits as one launch per tensor (tests/nn/test_weight_cache.py on the emulator,
+tests/kernels/test_kernels_cuda.py on the kernels). The amax of all fused groups comes from one multi-tensor
 reduction. Batching runs where the CUDA kernels do (``auto``; the emulator gains nothing from it), or
 always / never (``set_batching``; the trainer sets ``train.weight_cache_batch``).
 """

@@ -57,7 +57,7 @@ def save_student(model: nn.Module, out_dir: str, source_dir: Optional[str] = Non
         tmp = str(tmp)
         model.config.save_pretrained(tmp)
         state = _student_state(model)
-        # looked up when called (tests/test_safety_files.py kills the process half-way through this write)
+        # looked up when called (tests/exporters/test_safety_files.py kills the process half-way through this write)
         safetensors.torch.save_file(state, os.path.join(tmp, "model.safetensors"),
                                     metadata={"format": "pt", "producer": "qatfactory"})
         dtype = str(next(iter(p for p in model.parameters())).dtype).replace("torch.", "")

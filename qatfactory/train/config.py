@@ -140,7 +140,7 @@ class TrainConfig:
     # on, the optimizer state starts afresh and the LR schedule restarts with peak quant_lr (None: lr)
     quant_start: float = 0.0
     quant_lr: Optional[float] = None
-    # the host work of a step (train/ds_step.py; the same bits either way, tests/test_step_levers.py):
+    # the host work of a step (train/ds_step.py; the same bits either way, tests/train/test_step_levers.py):
     # lean_step: DeepSpeed's bf16 ZeRO-0 step without its per-parameter overflow reads and copies, and no
     # gradient all-reduce on one rank; ds_timers: DeepSpeed's throughput timer (a device sync at every
     # forward and every step, for a report the trainer never prints)
@@ -155,7 +155,7 @@ class TrainConfig:
     # AdamW's step counter starts at 1 and every bias correction is one step ahead (the first update is
     # 0.74x AdamW's at betas 0.9/0.95); ZeRO-1/2/3 and torch's AdamW start at 0. fresh_adam (default) clears
     # the optimizer state after the build when the build stepped it (only those wrappers do): ZeRO-0 then
-    # trains ZeRO-1's bits (tests/test_step_levers.py), so a recipe trains the same under every stage;
+    # trains ZeRO-1's bits (tests/train/test_step_levers.py), so a recipe trains the same under every stage;
     # false keeps DeepSpeed's own ZeRO-0 start
     fresh_adam: bool = True
     # less activation memory, the same bits (nn/lean_act.py): RMSNorms keep their bf16 input and the MLP

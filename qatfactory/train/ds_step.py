@@ -26,7 +26,7 @@ parameter, every step (counted on a CPU by benchmarks/step_counts.py; 147 parame
   DeepSpeed's own no_sync uses): with one rank, x * (1 / 1) all-reduced over itself is x;
 * the throughput timer is off in the DeepSpeed config (``ds_config``): it only measures.
 
-tests/test_step_levers.py trains with and without each of these and compares the weights bit for bit
+tests/train/test_step_levers.py trains with and without each of these and compares the weights bit for bit
 (clipping active, a non-finite gradient skipped, gradient accumulation). ``train.lean_step=false`` keeps
 DeepSpeed's own step (and ``train.ds_timers=true`` its timer) to measure the difference
 (benchmarks/step.py rows "[before: stock DeepSpeed step]"). Installed only for DeepSpeed 0.19.x's

@@ -2,7 +2,7 @@
 mse picks, per block, the byte of least squared error among the rule's byte and its grid neighbours
 (E4M3: -6..+2 steps, E8M0: -1..+1; ties keep the rule's byte), each candidate scored here by the
 format's own quantize -> dequantize one byte at a time; bad methods and formats without a one-byte
-scale grid are refused by name. (tests/test_quantize.py checks four_over_six against ml_dtypes.)"""
+scale grid are refused by name. (tests/quantize/test_quantize.py checks four_over_six against ml_dtypes.)"""
 import re
 
 import pytest
