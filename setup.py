@@ -54,7 +54,7 @@ setup(
             "diskcache",   # llama-cpp-python (built by scripts/llama_cpp_runtime.py) imports it
             "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies
             "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/faces/eval.py)
-            "auto-round==0.16.1",   # tests/test_accuracy_peers.py: the AutoRound peer's smoke
+            "auto-round==0.16.1",   # tests/benchmarks/test_accuracy_peers.py: the AutoRound peer's smoke
         ],
         # benchmarks/accuracy's peers that install beside this project's pins (llm-compressor does not: it
         # pins transformers <= 5.17 and compressed-tensors 0.19, and runs from its own venv)

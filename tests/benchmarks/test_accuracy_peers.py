@@ -21,7 +21,7 @@ import pytest
 
 from tests.optional_imports import needed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ACC = REPO / "benchmarks" / "accuracy"
 sys.path.insert(0, str(ACC))
 sys.path.insert(0, str(REPO / "benchmarks" / "papers"))
