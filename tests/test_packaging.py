@@ -60,7 +60,7 @@ def test_wheel_installs_outside_the_checkout_and_trains_exports_verifies(tmp_pat
     # the top-level exporters/ and readers/ folders ship as qatfactory.exporters / qatfactory.readers
     for pkg in ("exporters", "readers"):
         assert {f"qatfactory/{pkg}/{p.name}" for p in (ROOT / pkg).glob("*.py")} <= names, pkg
-    tasks = {p.name for p in (ROOT / "qatfactory" / "eval_tasks").glob("*.yaml")}
+    tasks = {p.name for p in (ROOT / "qatfactory" / "faces" / "eval_tasks").glob("*.yaml")}
     assert tasks and {"qatfactory/faces/eval_tasks/" + t for t in tasks} <= names
     assert "Requires-Python: >=3.11,<3.13" in meta.splitlines()
     core = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]

@@ -20,13 +20,22 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
+
+def _env(**extra):
+    # this worker may have run a trainer in its own process: its process-group variables (and the port its
+    # store still listens on) must not reach a child, whose own launcher (accelerate, DeepSpeed) would reuse them
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
 def smoke(tmp_path_factory):
     # each script in its own process, as the GPU entry runs them: the trainer initialises torch.distributed,
     # after which Hugging Face's Trainer (Model Optimizer's QADTrainer) would wrap the frozen teacher in DDP
     import os
     import subprocess
     out = tmp_path_factory.mktemp("accuracy")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = _env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for script, args in (("qad_recipe", ["--lrs", "1e-3", "--ptq", "--tag", "a", "--work", str(out / "w1")]),
                          ("peer_modelopt", ["--tag", "mo", "--work", str(out / "w2")])):
         r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "accuracy" / f"{script}.py"), "--smoke",

@@ -32,6 +32,15 @@ pytestmark = pytest.mark.slow
 LLMC_PY = REPO / ".venv-peer-llmc" / "bin" / "python"
 
 
+
+def _env(**extra):
+    # this worker may have run a trainer in its own process: its process-group variables (and the port its
+    # store still listens on) must not reach a child, whose own launcher (accelerate, DeepSpeed) would reuse them
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
 def _llmc_python() -> str:
     if not LLMC_PY.is_file() or subprocess.run([str(LLMC_PY), "-c", "import llmcompressor"],
                                                capture_output=True).returncode != 0:
@@ -42,7 +51,7 @@ def _llmc_python() -> str:
 
 
 def _smoke(script: str, out: Path, tag: str, *args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = _env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     r = subprocess.run([sys.executable, str(ACC / f"{script}.py"), "--smoke", "--out", str(out), "--steps", "2",
                         "--tag", tag, "--work", str(out / f"w-{tag}"), *args], env=env, capture_output=True,
                        text=True, timeout=900)
@@ -148,7 +157,7 @@ def test_merge_puts_both_peers_in_one_table(llmc, autoround, tmp_path):
 
 def test_a_peer_that_fails_is_a_row_saying_why_and_a_failed_exit(tmp_path):
     # the worker's interpreter exits at once: no export, so no score may be made up
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = _env(OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, str(ACC / "peer_autoround.py"), "--smoke", "--out", str(tmp_path), "--steps",
                         "2", "--tag", "bad", "--work", str(tmp_path / "w"), "--peer-python", shutil.which("false")],
                        env=env, capture_output=True, text=True, timeout=600)
