@@ -502,7 +502,7 @@ def llama_cpp_numbers(results: Dict[str, Any], model_dir: Path, data: Dict[str, 
 def rescore(run_dir: Path, mode: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
     """llama.cpp's numbers for a finished run's exports, from its results.json (the run's settings,
     model and data files); rewrites results.json and report.md. Raises ValueError (naming the file and
-    the field) for a results.json this demo did not write, or one whose exports lie outside the run."""
+    the field) for a results.json this demo did not write."""
     run_dir = Path(run_dir)
     rp = run_dir / "results.json"
     try:
@@ -512,13 +512,15 @@ def rescore(run_dir: Path, mode: str = "auto", vs_llama_quantize: bool = False) 
     for k in ("settings", "model_dir", "data", "targets", "teacher"):
         if not isinstance(res, dict) or k not in res:
             raise ValueError(f"{rp}: field {k!r} missing; allowed: the results.json `qatfactory demo` writes")
-    root = run_dir.resolve()
     for k, r in res["targets"].items():
         for e in r.get("exports", []):
-            # what is scored is the run's own files: an export path outside the run is not followed
-            if e.get("engine") == "llama_cpp" and root not in Path(e.get("path", "/")).resolve().parents:
-                raise ValueError(f"{rp}: field targets.{k}.exports.path={e.get('path')!r}; allowed: a path "
-                                 f"inside {run_dir}")
+            # what is scored is the run's own files: the export's directory name under RUN_DIR/exports (a
+            # run moved or copied elsewhere still scores its own exports), never a path followed out of it
+            name = Path(str(e.get("path", ""))).name
+            if not name or name in (".", ".."):
+                raise ValueError(f"{rp}: field targets.{k}.exports.path={e.get('path')!r}; allowed: an export "
+                                 f"directory under {run_dir / 'exports'}")
+            e["path"] = str(run_dir / "exports" / name)
     fields = set(Settings.__dataclass_fields__)
     s = Settings(**{k: v for k, v in res["settings"].items() if k in fields})
     res["llama_cpp"] = llama_cpp_numbers(res, Path(res["model_dir"]), res["data"], run_dir, assets.cache_dir(), s,
