@@ -3,12 +3,14 @@
 
     .venv/bin/python benchmarks/kquant_refresh_cpu.py [--k 1,4,16] [--repeat 2] [--threads N] [--out DIR]
 
-Each run is the demo's ``q4_k`` target as ``qatfactory demo`` runs it (qatfactory/faces/demo.py: SmolLM2-135M-
-Instruct from the packaged asset, the seeded Wikipedia split, the demo's Settings: 24 steps of 2 x 256
-tokens, lr 3e-5 constant, live teacher, compute dtype as the demo picks it), with
-``quant.kquant_refresh_every=K`` set on its RunConfig; then the demo's own evaluation of the trained
-student (``HeldOut.evaluate``: full-vocabulary KL to the teacher, perplexity, top-1 agreement on the 8
-held-out samples), ``convert`` + ship to llama.cpp with the parity gate, and llama.cpp's own
+Each run is the demo's ``q4_k`` target as ``qatfactory demo`` runs it, built from the library pieces the
+demo is built from (qatfactory/train/demo_recipe.py: the demo's Settings, its q4_k target and
+``train_config``; qatfactory/train/heldout.py: the data files and the evaluation): SmolLM2-135M-Instruct
+from the packaged asset, the seeded Wikipedia split, 24 steps of 2 x 256 tokens, lr 3e-5 constant, live
+teacher, compute dtype as the demo picks it, with ``quant.kquant_refresh_every=K`` set on its RunConfig;
+then the demo's own evaluation of the trained student (``HeldOut.evaluate``: full-vocabulary KL to the
+teacher, perplexity, top-1 agreement on the 8 held-out samples), ``convert`` + ``qatfactory.faces.ship.ship``
+to llama.cpp with the parity gate, and llama.cpp's own
 ``llama-perplexity --kl-divergence`` of the exported GGUF against the teacher (llama_compare.py, as the
 demo scores it). One PTQ row (prepare + calibrate, no training) is the starting point.
 
@@ -53,10 +55,11 @@ def _setup(threads: int, steps=None, seed=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qatfactory import assets, cpu
-    from qatfactory.faces import demo as D
     from qatfactory.train.data import DataConfig, load_data
+    from qatfactory.train.demo_recipe import Settings
+    from qatfactory.train.heldout import HeldOut, prepare_data
     torch.set_num_threads(threads)
-    s = D.Settings(targets=["q4_k"])
+    s = Settings(targets=["q4_k"])
     if seed is not None:
         s.seed = int(seed)              # another data split and order (--seed); the demo's otherwise
     if steps:
@@ -66,14 +69,14 @@ def _setup(threads: int, steps=None, seed=None):
     tdt = getattr(torch, s.dtype)
     model_dir = assets.prepare_model_dir("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    data = D.prepare_data(tok, s, assets.cache_dir())
+    data = prepare_data(tok, s, assets.cache_dir())
     dcfg = DataConfig(train=[data["train"]], eval=[data["eval"]], eval_samples=s.eval_samples, seq_len=s.seq_len)
     teacher = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=tdt)
     vocab = teacher.get_output_embeddings().weight.shape[0]
     train_s, eval_s = load_data(dcfg, tok, vocab, s.seed)
     if len(eval_s) > s.eval_samples:
         eval_s = eval_s.slice(0, s.eval_samples)
-    held = D.HeldOut(eval_s, max(s.micro_batch, 4), "cpu")
+    held = HeldOut(eval_s, max(s.micro_batch, 4), "cpu")
     held.fill_teacher(teacher, tdt)
     teacher_eval = held.evaluate(teacher)
     del teacher
@@ -99,14 +102,14 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qatfactory.faces import demo as D
     from qatfactory import quantize as Q
     from qatfactory.nn import kquant_refresh
     from qatfactory.train.config import validate
+    from qatfactory.train.demo_recipe import TARGETS, train_config
     from qatfactory.train.loop import run as train
     t_all = time.time()
     s, model_dir, data, held, train_s, teacher_eval, comp = _setup(threads, steps, seed)
-    tg = D.TARGETS["q4_k"]
+    tg = TARGETS["q4_k"]
     rec = {"arm": arm, "threads": torch.get_num_threads(), "dtype": s.dtype, "load_start": os.getloadavg()[0]}
     if arm == "ptq":
         qcfg = Q.QuantConfig.preset(tg.preset)
@@ -119,7 +122,7 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
     else:
         K = int(arm[1:])
         rdir = out / f"run-{arm}-{int(time.time())}"
-        cfg, _ = D.train_config(tg, s, model_dir, data, rdir, out / "teacher-cache", "cpu")
+        cfg, _ = train_config(tg, s, model_dir, data, rdir, out / "teacher-cache", "cpu")
         cfg.quant.kquant_refresh_every = K
         cfg = validate(cfg)
         kquant_refresh.reset_stats()
@@ -132,10 +135,8 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
         rec["train_s"] = summary["time_s"]
         rec["kq_stats"] = kquant_refresh.stats()
         rec["torch"] = held.evaluate(lm)
-    conv = D._cpu_converted(lm, model_dir)
-    e = D._ship_one(conv, f"q4_k-{arm}", "llama_cpp", "gguf", out, True)
-    rec["gate"] = e.get("verdict") or e.get("error")
-    gg = Path(e["path"]) / "model.gguf"
+    rec["gate"], edir = _ship_gguf(lm, model_dir, out / "exports" / f"q4_k-{arm}-llama_cpp-gguf")
+    gg = edir / "model.gguf"
     rec["gguf_sha256"] = _sha(gg)
     if scorer:
         r = _score(scorer, gg, arm)
@@ -144,6 +145,24 @@ def worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=Non
     rec["wall_s"] = time.time() - t_all
     rec["teacher_torch"] = teacher_eval
     return rec
+
+
+def _ship_gguf(lm, model_dir: Path, edir: Path):
+    """(gate verdict or the refusal, export dir): convert + ship to llama.cpp with the parity gate, as the demo
+    ships its q4_k student (a gate that does not PASS moves the export to .FAILED; its table sits beside it)."""
+    from qatfactory import quantize as Q
+    from qatfactory.faces.ship import ship
+    conv = Q.convert(lm)            # a CPU run: the packed tensors are on the CPU already
+    if conv.source_dir is None:
+        conv.source_dir = str(model_dir)
+    try:
+        sh = ship(conv, "llama_cpp", "gguf", edir, verify=True, force=True)
+    except Exception as ex:   # noqa: BLE001 - the refusal is the row's gate cell
+        return f"{type(ex).__name__}: {ex}", edir
+    if sh.report is None:
+        return None, Path(sh.path)
+    (edir.parent / f"{edir.name}.verify.txt").write_text(sh.report.table())
+    return sh.report.verdict, Path(sh.path)
 
 
 def _run_worker(arm: str, threads: int, out: Path, scorer: dict, steps=None, seed=None) -> dict:
@@ -161,13 +180,14 @@ def _make_scorer(out: Path, threads: int, seed=None) -> dict:
     from transformers import AutoTokenizer
 
     from qatfactory import assets
-    from qatfactory.faces import demo as D
     from qatfactory.faces import llama_compare as LC
-    s = D.Settings(targets=["q4_k"])
+    from qatfactory.train.demo_recipe import Settings
+    from qatfactory.train.heldout import prepare_data
+    s = Settings(targets=["q4_k"])
     if seed is not None:
         s.seed = int(seed)
     model_dir = assets.prepare_model_dir("smollm2")
-    data = D.prepare_data(AutoTokenizer.from_pretrained(str(model_dir)), s, assets.cache_dir())
+    data = prepare_data(AutoTokenizer.from_pretrained(str(model_dir)), s, assets.cache_dir())
     texts = [json.loads(line)["text"] for line in Path(data["eval"]).read_text().splitlines() if line.strip()]
     sc = LC.make_scorer(model_dir, texts, out / "llama_cpp", cache=assets.cache_dir(), ctx=s.seq_len, threads=threads)
     return LC.scorer_dict(sc)

@@ -18,13 +18,17 @@ What runs (the demo's pipeline, ``qatfactory demo --targets ... --vs-llama-quant
 * every GGUF scored with ``llama-perplexity --kl-divergence`` (mean KL(teacher || model), perplexity,
   top-1 agreement) on llama.cpp's CPU runtime.
 
-Writes the demo's run directory (report.md with the table and plots/llama_cpp_kl.png, results.json) and,
-unless ``--no-results``, a dated section between markers in benchmarks/RESULTS.md. A script, not a test.
+The demo runs as users run it, a ``qatfactory demo`` process (``--rescore``: ``qatfactory demo --rescore
+RUN_DIR --vs-llama-quantize``); this script reads the results.json it writes. Writes the demo's run
+directory (report.md with the table and plots/llama_cpp_kl.png, results.json) and, unless ``--no-results``,
+a dated section between markers in benchmarks/RESULTS.md. A script, not a test.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +36,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qatfactory.faces import demo  # noqa: E402
 from qatfactory.faces import llama_compare as LC  # noqa: E402
 
 FAMILIES = {"q4_k": "q4_k", "mxfp4": "mxfp4_gguf", "nvfp4": "nvfp4_gguf"}
@@ -106,19 +109,15 @@ def write_results(section: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def rescore(run_dir: Path):
-    """llama.cpp's numbers for a finished run's exports, from its results.json; rewrites report.md."""
-    import json
-    res = json.loads((run_dir / "results.json").read_text())
-    fields = {f for f in demo.Settings.__dataclass_fields__}
-    s = demo.Settings(**{k: v for k, v in res["settings"].items() if k in fields})
-    from qatfactory import assets
-    res["llama_cpp"] = demo.llama_cpp_numbers(res, Path(res["model_dir"]), res["data"], run_dir, assets.cache_dir(), s,
-                                              "auto", vs_llama_quantize=True)
-    demo._write_json(run_dir / "results.json", res)
-    plots = [run_dir / "plots" / n for n in ("ptq_vs_qad.png", "qad_loss.png") if (run_dir / "plots" / n).is_file()]
-    (run_dir / "report.md").write_text(demo.report_markdown(res, run_dir, plots))
-    return res
+def run_demo_cli(dargs) -> dict:
+    """``qatfactory demo <dargs>`` as its own process; the results.json of its run directory. The demo's exit
+    code 1/2 (a parity gate FAILED / INCOMPLETE) still leaves a finished run whose llama.cpp numbers count."""
+    cmd = [sys.executable, "-m", "qatfactory.faces.cli", "demo"] + list(dargs)   # `qatfactory demo ...`
+    out = Path(dargs[dargs.index("--rescore" if "--rescore" in dargs else "--out") + 1])
+    rc = subprocess.run(cmd, cwd=str(ROOT), check=False).returncode
+    if not (out / "results.json").is_file() or rc not in (0, 1, 2):
+        raise SystemExit(f"`{' '.join(cmd)}` exited {rc} without a finished run in {out}")
+    return json.loads((out / "results.json").read_text())
 
 
 def main(argv=None) -> int:
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.rescore:
         out = Path(a.rescore)
-        res = rescore(out)
+        res = run_demo_cli(["--rescore", str(out), "--vs-llama-quantize"])
         return _finish(res, out, a, argv)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
     bad = [f for f in fams if f not in FAMILIES]
@@ -139,11 +138,8 @@ def main(argv=None) -> int:
         if v is not None:
             dargs += [flag, str(v)]
     out = Path(a.out or f"runs/llama-vs-quantize-{time.strftime('%Y%m%d-%H%M%S')}")
-    dargs += ["--out", str(out)]
-    args = demo.parse_args(dargs)
-    s = demo.settings_from(args)
-    res = demo.run_demo(s, Path(a.model) if a.model else None, out, device="cpu", llama_cpp="auto",
-                        vs_llama_quantize=True)
+    dargs += ["--out", str(out), "--device", "cpu", "--llama-cpp", "auto"]
+    res = run_demo_cli(dargs)
     return _finish(res, out, a, argv)
 
 

@@ -169,3 +169,29 @@ def test_the_circle_finder_finds_circles():
     assert circles([("x", "x")]) == [["x"]] and circles([("p", "q"), ("q", "r")]) == []
     edges = set(module_edges())
     assert ("qatfactory.train.loop", "qatfactory.train.methods") in edges     # the walk resolves packages
+
+
+# ----------------------------------------------------------------------------- benchmarks use the demo as users do
+FACE_ONLY = ("qatfactory.faces.demo", "qatfactory.faces.demo_report")
+
+
+def benchmark_demo_imports():
+    """(file, line, module) for every import of the demo face in benchmarks/ (inside functions too):
+    a benchmark runs the demo through its command line or uses the library pieces it is built from."""
+    for f in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+            for m in names:
+                if any(m == x or m.startswith(x + ".") for x in FACE_ONLY):
+                    yield f.relative_to(ROOT), n.lineno, m
+
+
+def test_no_benchmark_imports_the_demo():
+    bad = [f"{f}:{line}: imports {m}" for f, line, m in benchmark_demo_imports()]
+    assert not bad, ("a benchmark imports the demo face (run `qatfactory demo ...` as a subprocess, or use "
+                     "qatfactory.train.heldout / qatfactory.train.demo_recipe):\n" + "\n".join(bad))
+    assert any(True for _ in (ROOT / "benchmarks").rglob("*.py"))     # the walk has files to look at

@@ -120,11 +120,12 @@ def prepare_model_and_data(a) -> Dict[str, Any]:
         from qatfactory import assets
         model_dir = assets.prepare_model_dir("smollm2")
     os.environ["QATFACTORY_CACHE"] = str(cache)
-    from qatfactory.faces import demo
+    from qatfactory.train.demo_recipe import Settings
+    from qatfactory.train.heldout import prepare_data
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    s = demo.Settings(steps=a.steps, seq_len=a.seq, micro_batch=a.micro, eval_samples=a.eval_seqs,
-                      calib_samples=a.calib, seed=0)
-    data = demo.prepare_data(tok, s, cache)
+    s = Settings(steps=a.steps, seq_len=a.seq, micro_batch=a.micro, eval_samples=a.eval_seqs,
+                 calib_samples=a.calib, seed=0)
+    data = prepare_data(tok, s, cache)
     return {"model_dir": str(model_dir), "data": data}
 
 

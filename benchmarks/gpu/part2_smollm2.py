@@ -1,8 +1,8 @@
 """Part 2 of the GPU pipeline (benchmarks/gpu/pipeline.py): SmolLM2-135M-Instruct from its
 packaged GGUF (tools/gpu/staging.py reassembles it; ``qatfactory.assets.prepare_model_dir`` makes the HF
-directory), the Wikipedia split written by ``qatfactory.faces.demo.prepare_data``, QAD under the deepspeed
+directory), the Wikipedia split written by ``qatfactory.train.heldout.prepare_data``, QAD under the deepspeed
 launcher, then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's
-evaluation (``qatfactory.faces.demo.HeldOut``), exports and verify; optionally GSM8K (greedy).
+evaluation (``qatfactory.train.heldout.HeldOut``), exports and verify; optionally GSM8K (greedy).
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from transformers.utils import logging as hf_logging
 from launches import ExportJob, run_launch
 from pipeline_report import Report
 from qatfactory import assets
-from qatfactory.faces import demo
 from qatfactory import quantize as Q
 from qatfactory.train.config import compose
 from qatfactory.train.data import DataConfig, load_data
+from qatfactory.train.demo_recipe import Settings
+from qatfactory.train.heldout import HeldOut, bits_per_param, prepare_data
 from staging import setup_assets, stash
 from supervise import REPO, Budget, GpuMonitor, say
 
@@ -55,10 +56,10 @@ def prep_part2(a, res: Dict[str, Any]) -> None:
         # what fits and the trainer repeats epochs (data.Order)
         steps = a.p2_steps
         while True:
-            s = demo.Settings(steps=steps, seq_len=a.p2_seq, micro_batch=glob_batch, eval_samples=a.p2_eval_samples,
-                              calib_samples=a.p2_calib, seed=0)
+            s = Settings(steps=steps, seq_len=a.p2_seq, micro_batch=glob_batch, eval_samples=a.p2_eval_samples,
+                         calib_samples=a.p2_calib, seed=0)
             try:
-                res["data"] = demo.prepare_data(tok, s, cache)
+                res["data"] = prepare_data(tok, s, cache)
                 break
             except ValueError:
                 if steps <= 1:
@@ -95,7 +96,7 @@ def p2_exports(fmt: str) -> List[Tuple[str, str]]:
 
 
 class Part2Eval:
-    """The demo's held-out evaluation (qatfactory.faces.demo.HeldOut) for teacher, PTQ and QAD students,
+    """The demo's held-out evaluation (qatfactory.train.heldout.HeldOut) for teacher, PTQ and QAD students,
     in this process on the first GPU (or the CPU in the smoke run)."""
 
     def __init__(self, a, prep: Dict[str, Any]):
@@ -119,7 +120,7 @@ class Part2Eval:
     def teacher(self) -> Dict[str, Any]:
         t = time.time()
         m = self._load()
-        self.held = demo.HeldOut(self.eval_s, max(1, min(4, len(self.eval_s))), self.dev)
+        self.held = HeldOut(self.eval_s, max(1, min(4, len(self.eval_s))), self.dev)
         self.held.fill_teacher(m, self.torch.bfloat16)
         r = self.held.evaluate(m)
         r["params"] = sum(p.numel() for p in m.parameters())
@@ -138,7 +139,7 @@ class Part2Eval:
         Q.calibrate(m, [{"input_ids": b["input_ids"].to(self.dev), "attention_mask": b["attn"].to(self.dev)}
                         for b in calib], qcfg.calib_method)
         r = self.held.evaluate(m)
-        r["bits"] = demo.bits_per_param(Q.coverage(m).raise_if_errors())
+        r["bits"] = bits_per_param(Q.coverage(m).raise_if_errors())
         r["seconds"] = time.time() - t
         return r, m
 

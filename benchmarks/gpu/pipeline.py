@@ -11,11 +11,11 @@ Part 2: SmolLM2-135M-Instruct from its packaged GGUF, carried in ``split -b`` pa
 (``smollm2.gguf.part-aa`` ...) found in ``.gpu/`` and ``/tmp/qf-parts/`` (earlier calls may have
 stashed some there), reassembled and checked against the sha256 of the asset's provenance record,
 turned into a local HF directory by ``qatfactory.assets.prepare_model_dir``; the Wikipedia split is
-written to JSONL files by ``qatfactory.faces.demo.prepare_data``; QAD under the deepspeed launcher
+written to JSONL files by ``qatfactory.train.heldout.prepare_data``; QAD under the deepspeed launcher
 (``train=gpu_1x`` with ZeRO-2 by default, ``--p2-train``/``--p2-zero``; ``model=local``, ``data=files``, seq
 2048, ``method=qad``: 5e-6 constant),
 then held-out KL to the teacher and perplexity for teacher / PTQ / QAD with the demo's evaluation
-(``qatfactory.faces.demo.HeldOut``), export (vLLM + GGUF) and verify; optionally GSM8K (greedy).
+(``qatfactory.train.heldout.HeldOut``), export (vLLM + GGUF) and verify; optionally GSM8K (greedy).
 
 CPU work overlaps GPU work: the asset preparation of part 2 runs while part 1 trains, the exports
 and verifications of part 1 run while part 2 trains. A time budget (``--budget``) skips what no

@@ -163,7 +163,7 @@ def markdown(d: Dict[str, Any]) -> str:
     if "steps" in Q:
         L.append(f"QAD: `train={Q.get('train', 'gpu_multi')}` (ZeRO-{Q.get('zero', 3)}), {Q['world']} ranks x {Q['micro_batch_per_rank']} x accum "
                  f"{Q['grad_accum']} x {Q['seq_len']} = {Q['tokens_per_step']} tokens/step, {Q['steps']} steps, lr "
-                 f"{Q['lr']:g} constant, {Q['optimizer']}; evaluation: `qatfactory.faces.demo.HeldOut` (full-vocabulary "
+                 f"{Q['lr']:g} constant, {Q['optimizer']}; evaluation: `qatfactory.train.heldout.HeldOut` (full-vocabulary "
                  f"forward KL to the bf16 teacher) on {Q.get('eval_tokens_target')} held-out tokens.\n")
     T = Q.get("teacher")
     if T or Q.get("formats"):

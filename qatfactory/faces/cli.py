@@ -308,7 +308,7 @@ def _delegate(module: str, what: str, argv: List[str]) -> int:
 
 
 def bench_main(argv: List[str]) -> int:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "step.py"     # qatfactory/faces/ -> the checkout
     if not script.exists():
         print(f"qatfactory bench: BAD_INPUT: {script} not found (benchmarks ship with the source tree)",
               file=sys.stderr)

@@ -23,7 +23,6 @@ Everything reported is measured in the run; the run directory keeps the raw numb
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import hashlib
 import json
@@ -33,7 +32,6 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -44,63 +42,21 @@ from .. import assets, cpu
 from .. import exitcodes as X
 from .. import quantize as Q
 from ..distill.losses import LiveTeacherOut, LossConfig
-from ..distill.teachers import LiveTeacher
 from ..formats import get_format
 from ..nn.fake_quant import takes_imatrix
-from ..train.config import ModelConfig, RunConfig, compose, to_overrides, validate
 from ..train.data import DataConfig, load_data
+
+# the recipe, the data files and the held-out evaluation are library pieces the demo shares with the
+# benchmarks built on its pipeline; re-exported here for code written against the demo's names
+from ..train.demo_recipe import DEFAULT_TARGETS, TARGETS, Settings, Target, train_config  # noqa: F401
+from ..train.heldout import HeldOut, bits_per_param, prepare_data
 from ..train.loop import run as train
-from ..train.student import StudentLM, evaluate
+from ..train.student import StudentLM
 from . import llama_compare as LC
 from . import llama_tools as LT
 from .cli import _run_error_code
 from .demo_report import _fmt_s, _verdict, make_plots, report_markdown, summary_lines  # noqa: F401 (re-exported)
 from .ship import ship
-
-
-@dataclass(frozen=True)
-class Target:
-    key: str                 # --targets name
-    preset: str              # QuantConfig preset / recipes/format/<preset>.yaml
-    label: str
-    teacher: str             # live | cached (the trainer's method.teacher)
-    exports: Tuple[Tuple[str, str], ...]   # (engine, flavour)
-    lr_scale: float = 1.0    # x Settings.lr: a near-lossless target needs a smaller step
-
-
-TARGETS: Dict[str, Target] = {t.key: t for t in (
-    Target("nvfp4", "nvfp4_w4a16", "NVFP4 W4A16", "live",
-           (("vllm", "modelopt"), ("vllm", "compressed-tensors"), ("sglang", "modelopt"))),
-    # SGLang loads compressed-tensors MXFP4 only for MoE experts (exporters/sglang.py), ModelOpt has
-    # no MXFP4 linear: a dense MXFP4 checkpoint goes to vLLM as compressed-tensors
-    Target("mxfp4", "mxfp4_w4a4", "MXFP4 W4A4", "cached", (("vllm", "compressed-tensors"),)),
-    # live: Q4_K_M is close to lossless (PTQ KL ~0.04 nats on SmolLM2), below what a top-64 cache
-    # can express; trained on the cached objective, the student drifted away from the full
-    # distribution (measured: 0.036 -> 0.091), on the full live KL it does not
-    # lr x0.3: at lr 1e-4 its held-out KL went 0.0361 -> 0.0373, at 3e-5 0.0361 -> 0.0284 (24 steps)
-    Target("q4_k", "q4_k", "Q4_K_M (llama.cpp policy)", "live", (("llama_cpp", "gguf"),), 0.3),
-    # not in the default run: llama.cpp's own FP4 block types in GGUF (benchmarks/llama_cpp_vs_quantize.py)
-    Target("mxfp4_gguf", "mxfp4_gguf", "MXFP4 GGUF (W4A16)", "live", (("llama_cpp", "gguf"),)),
-    Target("nvfp4_gguf", "nvfp4_gguf", "NVFP4 GGUF (W4A16)", "live", (("llama_cpp", "gguf"),)),
-)}
-DEFAULT_TARGETS = ("nvfp4", "mxfp4", "q4_k")
-
-
-@dataclass
-class Settings:
-    steps: int = 24
-    seq_len: int = 256
-    micro_batch: int = 2
-    eval_samples: int = 8
-    calib_samples: int = 4
-    # a short run needs a larger step than the 5e-6 of long QAD runs; chosen by measuring held-out
-    # KL after 24 steps on SmolLM2 (see docs/demo.md); constant, AdamW, fixed seed
-    lr: float = 1e-4
-    topk: int = 64
-    seed: int = 0
-    targets: List[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    dtype: str = "auto"      # compute dtype: auto (bf16 only where this CPU is fast at it) | bfloat16 | float32
-
 
 QUICK = dict(steps=3, seq_len=64, micro_batch=2, eval_samples=2, calib_samples=2)
 
@@ -140,6 +96,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--vs-llama-quantize", action="store_true", dest="vs_llama_quantize",
                    help="also export the PTQ students to GGUF and score llama-quantize's own files (Q4_K_M with "
                         "and without llama-imatrix; MXFP4/NVFP4 per-tensor overrides) beside them, table + PNG")
+    p.add_argument("--rescore", default=None, metavar="RUN_DIR",
+                   help="no training: score the GGUF exports of a finished demo run directory with llama.cpp again "
+                        "(with --vs-llama-quantize, llama-quantize's files too); rewrites its results.json and "
+                        "report.md")
     return p.parse_args(list(argv))
 
 
@@ -166,105 +126,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return s
 
 
-# ----------------------------------------------------------------------------- data
-def _doc_lengths(tok, docs: List[str]) -> List[int]:
-    return [len(x) for x in tok(docs, add_special_tokens=False)["input_ids"]]
-
-
-def prepare_data(tok, s: Settings, cache: Path) -> Dict[str, Any]:
-    """Write the calibration+training and held-out files (JSONL ``{"text"}``) from the seeded
-    Wikipedia split, just large enough for the run; cached by (seed, sizes, tokenizer)."""
-    splits = assets.wiki_splits(s.seed)
-    need_train = (s.steps * s.micro_batch + s.calib_samples) * s.seq_len
-    need_eval = s.eval_samples * s.seq_len
-    tok_id = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()[:12]
-    key = hashlib.sha256(json.dumps([s.seed, s.seq_len, need_train, need_eval, tok_id]).encode()).hexdigest()[:16]
-    d = cache / "demo-data" / key
-    meta_p = d / "meta.json"
-    if meta_p.exists():
-        return json.loads(meta_p.read_text())
-
-    def take(docs: List[str], need: int, slack: float) -> List[str]:
-        out, n = [], 0
-        for i in range(0, len(docs), 64):
-            chunk = docs[i:i + 64]
-            for doc, ln in zip(chunk, _doc_lengths(tok, chunk)):
-                out.append(doc)
-                n += ln + 1
-                if n >= need * slack:
-                    return out
-        raise ValueError(f"demo data: the split has {n} tokens, the run needs {need}; lower --steps/--seq-len")
-
-    # calibration articles first: the trainer calibrates on its first method.calib_samples samples;
-    # long sequences can need more than the 64 calibration articles: then the calibration set
-    # continues into the training articles, and training starts after the ones it took
-    calib = take(splits["calib"] + splits["train"], s.calib_samples * s.seq_len, 1.05)
-    borrowed = max(0, len(calib) - len(splits["calib"]))
-    train = take(splits["train"][borrowed:], need_train, 1.1)
-    held = take(splits["eval"], need_eval, 1.05)
-    d.mkdir(parents=True, exist_ok=True)
-    for name, docs in (("train.jsonl", calib + train), ("eval.jsonl", held)):
-        tmp = d / f".{name}.tmp"
-        tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-        os.replace(tmp, d / name)
-    prov = assets.provenance("wiki")
-    meta = {"train": str(d / "train.jsonl"), "eval": str(d / "eval.jsonl"), "seed": s.seed,
-            "articles": {"calib": len(calib), "train": len(train), "eval": len(held)},
-            "split_sizes": {k: len(v) for k, v in splits.items()},
-            "source": {k: prov.get(k) for k in ("package", "wheel", "wheel_sha256", "file_sha256", "license", "what")},
-            "split_rule": f"qatfactory.assets.wiki_splits(seed={s.seed}): articles sorted by title, shuffled "
-                          f"with random.Random({s.seed}); first 64 calibration, next 256 held-out, rest training"
-                          + (f" ({borrowed} training articles lent to calibration)" if borrowed else "")}
-    tmp = d / ".meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_p)
-    return meta
-
-
-# ----------------------------------------------------------------------------- evaluation
-class HeldOut:
-    """Held-out samples with the teacher's final hidden states kept once, so every model is
-    measured by the trainer's own evaluation (train.student.evaluate) against the same
-    full-vocabulary teacher distribution. It is that evaluation's teacher: ``batch`` gives the
-    stored outputs of a micro-batch of ``mb`` samples."""
-
-    has_eval = True
-
-    def __init__(self, samples, micro_batch: int, device: str = "cpu"):
-        self.samples, self.mb, self.device = samples, micro_batch, device
-        self.teacher_h: List[Any] = []
-        self.teacher_w = None
-
-    def batches(self):
-        n = len(self.samples)
-        for i, lo in enumerate(range(0, n, self.mb)):
-            yield i, self.samples.select(list(range(lo, min(lo + self.mb, n))))
-
-    def fill_teacher(self, teacher_model, dtype) -> float:
-        """Run the teacher once; returns seconds per micro-batch forward."""
-        lt = LiveTeacher(teacher_model, dtype, self.device)
-        t0, n = time.time(), 0
-        for _, b in self.batches():
-            with lt.outputs(b["input_ids"], b["attn"]) as t:
-                self.teacher_h.append(t.hidden.detach().clone())
-                if self.teacher_w is None and t.weight is not None:
-                    self.teacher_w = t.weight.detach().clone()
-            n += 1
-        if self.teacher_w is None:
-            raise NotImplementedError("demo: the teacher's head is not a plain linear; the evaluation needs its "
-                                      "weight")
-        return (time.time() - t0) / max(n, 1)
-
-    def batch(self, split: str, b: Dict[str, torch.Tensor], device):
-        i = int(b["sample_ids"][0]) // self.mb
-        return contextlib.nullcontext(LiveTeacherOut(self.teacher_h[i], self.teacher_w))
-
-    def evaluate(self, lm) -> Dict[str, float]:
-        st = StudentLM(lm, LossConfig()).train(lm.training)      # leaves lm in the mode it was in
-        r = evaluate(st, self.samples, self, len(self.samples), self.mb, 0, 1, self.device)
-        return {k: r[f"eval/{k}"] for k in ("tokens", "kl", "ce", "ppl", "top1")}
-
-
+# ----------------------------------------------------------------------------- time measurements
 def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
     """Measured seconds of one unquantized training step of ``model`` on ``micro_batch`` held-out
     samples: forward, the chunked KL loss against the stored teacher outputs, backward and an AdamW
@@ -303,20 +165,6 @@ def train_step_seconds(model, held: "HeldOut", micro_batch: int) -> float:
         model.train(was)
 
 
-# ----------------------------------------------------------------------------- bits
-def bits_per_param(cov) -> Dict[str, Any]:
-    """Storage bits from quantize.coverage: per quantized weight and over the whole model (tied
-    embeddings counted once, norms and embeddings at their dtype)."""
-    t = cov.totals
-    per_fmt: Dict[str, int] = {}
-    for r in cov.rows:
-        if r.status == "quantized":
-            per_fmt[r.format] = per_fmt.get(r.format, 0) + int(r.numel)
-    return {"quantized_params": int(t["quantized_params"]), "all_params": int(t["params"]),
-            "bits_quantized": float(t["bits_per_quantized_param"]), "bits_all": float(t["bits_per_param"]),
-            "params_by_format": per_fmt}
-
-
 def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
 
@@ -339,34 +187,6 @@ def _model_fingerprint(model_dir: Path) -> str:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
     return h.hexdigest()[:16]
-
-
-def train_config(t: Target, s: Settings, model_dir: Path, data: Dict[str, Any], run_dir: Path,
-                 teacher_cache: Path, device: str = "cpu") -> Tuple[RunConfig, List[str]]:
-    """The trainer's RunConfig for one target's QAD run: the target's format and method recipes,
-    then the demo's settings on the object; with the command line that reproduces it exactly."""
-    dt = s.dtype if s.dtype in ("bfloat16", "float32") else "bfloat16"
-    groups = [f"format={t.preset}", "method=qad" if t.teacher == "live" else "method=qad_cached", "train=default",
-              "export=none"]
-    cfg = compose(groups)
-    cfg.model = ModelConfig(name="local", path=str(model_dir), dtype=dt)
-    cfg.data = DataConfig(train=[data["train"]], eval=[data["eval"]], seq_len=s.seq_len, eval_samples=s.eval_samples)
-    tr = cfg.train
-    # the report evaluates every model on the whole held-out split itself; the trainer's own
-    # start/end evaluations (progress only) look at one micro-batch of it
-    tr.eval_samples = min(s.micro_batch, s.eval_samples)
-    # the rate as the reproduce command prints it (6 significant digits), so the command gives this run
-    tr.max_steps, tr.lr, tr.schedule, tr.warmup_steps = s.steps, float(f"{s.lr * t.lr_scale:g}"), "constant", 0
-    tr.micro_batch, tr.grad_accum, tr.device = s.micro_batch, 1, device
-    tr.precision = "bf16" if dt == "bfloat16" else "fp32"
-    tr.eval_every, tr.save_every, tr.save_final, tr.save_student, tr.tensorboard = 0, 0, False, True, False
-    tr.seed = s.seed
-    cfg.method.calib_samples = s.calib_samples
-    if t.teacher == "cached":
-        cfg.method.topk, cfg.method.teacher_cache = s.topk, str(teacher_cache)
-    cfg.run_dir = str(run_dir)
-    cfg = validate(cfg)
-    return cfg, ["model=local", "data=files"] + groups + to_overrides(cfg, ["model=local", "data=files"] + groups)
 
 
 def fake_quant_seconds(model, preset: str) -> float:
@@ -679,6 +499,40 @@ def llama_cpp_numbers(results: Dict[str, Any], model_dir: Path, data: Dict[str, 
         return {"status": "failed", "reason": f"{type(ex).__name__}: {why}"[:600]}
 
 
+def rescore(run_dir: Path, mode: str = "auto", vs_llama_quantize: bool = False) -> Dict[str, Any]:
+    """llama.cpp's numbers for a finished run's exports, from its results.json (the run's settings,
+    model and data files); rewrites results.json and report.md. Raises ValueError (naming the file and
+    the field) for a results.json this demo did not write."""
+    run_dir = Path(run_dir)
+    rp = run_dir / "results.json"
+    try:
+        res = json.loads(rp.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{rp}: not a demo run's results.json ({type(e).__name__}: {e})") from None
+    for k in ("settings", "model_dir", "data", "targets", "teacher"):
+        if not isinstance(res, dict) or k not in res:
+            raise ValueError(f"{rp}: field {k!r} missing; allowed: the results.json `qatfactory demo` writes")
+    for k, r in res["targets"].items():
+        for e in r.get("exports", []):
+            # what is scored is the run's own files: the export's directory name under RUN_DIR/exports (a
+            # run moved or copied elsewhere still scores its own exports), never a path followed out of it
+            name = Path(str(e.get("path", ""))).name
+            if not name or name in (".", ".."):
+                raise ValueError(f"{rp}: field targets.{k}.exports.path={e.get('path')!r}; allowed: an export "
+                                 f"directory under {run_dir / 'exports'}")
+            e["path"] = str(run_dir / "exports" / name)
+    fields = set(Settings.__dataclass_fields__)
+    s = Settings(**{k: v for k, v in res["settings"].items() if k in fields})
+    res["llama_cpp"] = llama_cpp_numbers(res, Path(res["model_dir"]), res["data"], run_dir, assets.cache_dir(), s,
+                                         mode, vs_llama_quantize)
+    _write_json(rp, res)
+    plots = [run_dir / "plots" / n for n in ("ptq_vs_qad.png", "qad_loss.png") if (run_dir / "plots" / n).is_file()]
+    tmp = run_dir / ".report.md.tmp"
+    tmp.write_text(report_markdown(res, run_dir, plots))
+    os.replace(tmp, run_dir / "report.md")
+    return res
+
+
 def _read_jsonl(p: Path) -> List[dict]:
     if not p.exists():
         return []
@@ -712,6 +566,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"qatfactory demo: USAGE: {e}", file=sys.stderr)
         return X.USAGE
+    if args.rescore:
+        return _rescore_main(Path(args.rescore), args)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # the demo's trainer runs and exports live in --out; an earlier run there is never overwritten
@@ -740,6 +596,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if not ok_kl:
         print("[demo] QAD did not beat PTQ on held-out KL for every target (see the report)", file=sys.stderr)
+    return 0
+
+
+def _rescore_main(run_dir: Path, args: argparse.Namespace) -> int:
+    if not (run_dir / "results.json").is_file():
+        print(f"qatfactory demo: BAD_INPUT: --rescore {run_dir}: no results.json (a finished demo run directory); "
+              f"nothing was changed", file=sys.stderr)
+        return X.BAD_INPUT
+    try:
+        res = rescore(run_dir, args.llama_cpp, args.vs_llama_quantize)
+    except ValueError as e:
+        print(f"qatfactory demo: BAD_INPUT: {e}; nothing was changed", file=sys.stderr)
+        return X.BAD_INPUT
+    except Exception as e:  # noqa: BLE001 - one line and an exit code (QATFACTORY_DEBUG=1: the traceback)
+        return X.report("qatfactory demo", e, _run_error_code(e))
+    lc = res["llama_cpp"]
+    print(f"\nreport: {run_dir / 'report.md'}   llama.cpp: {lc.get('status')}")
+    if lc.get("status") != "ok":
+        print(f"[demo] llama.cpp numbers not measured: {lc.get('reason')}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]        # the source checkout: qatfactory/faces/ -> repository root
 NO_REPACK = ("--no-repack",)
 
 

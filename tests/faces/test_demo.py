@@ -97,6 +97,42 @@ def test_demo_caches_data_and_teacher(demo_run):
     assert len(list((cache / "teacher-cache").glob("*/train/meta.json"))) == 1
 
 
+def test_rescore_scores_a_finished_run_again_where_it_now_lies(demo_run, tmp_path, capsys):
+    """`qatfactory demo --rescore RUN_DIR` (what benchmarks/llama_cpp_vs_quantize.py --rescore runs): no
+    training; llama.cpp's numbers again, results.json and report.md rewritten in RUN_DIR only, the exports
+    found under RUN_DIR/exports even when the run was copied elsewhere."""
+    import shutil
+    _, out, _ = demo_run
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    before = (out / "results.json").read_bytes(), (out / "report.md").read_bytes()
+    (moved / "report.md").unlink()
+    res0 = json.loads((moved / "results.json").read_text())
+    res0["llama_cpp"] = {"status": "stale"}
+    (moved / "results.json").write_text(json.dumps(res0))
+    # llama.cpp's converter does not know the tiny test tokenizer: scored again, it says so again (exit 1)
+    assert demo.main(["--rescore", str(moved), "--vs-llama-quantize"]) == 1
+    assert "llama.cpp numbers not measured" in capsys.readouterr().err
+    res = json.loads((moved / "results.json").read_text())
+    assert res["llama_cpp"]["status"] == "failed" and "BPE pre-tokenizer" in res["llama_cpp"]["reason"]
+    assert res["targets"]["q4_k"]["qad"] == res0["targets"]["q4_k"]["qad"]       # no training
+    gg = [e for e in res["targets"]["q4_k"]["exports"] if e["engine"] == "llama_cpp"][0]
+    assert Path(gg["path"]).parent == moved / "exports" and (Path(gg["path"]) / "model.gguf").is_file()
+    md = (moved / "report.md").read_text()
+    assert f"{res['targets']['q4_k']['qad']['kl']:.4f}" in md and "Not run: RuntimeError: llama.cpp" in md
+    assert ((out / "results.json").read_bytes(), (out / "report.md").read_bytes()) == before
+
+
+def test_rescore_refuses_what_is_not_a_finished_run(tmp_path, capsys):
+    assert demo.main(["--rescore", str(tmp_path)]) == 4              # exitcodes.BAD_INPUT
+    assert "no results.json" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text('{"settings": {}}')
+    assert demo.main(["--rescore", str(tmp_path)]) == 4
+    err = capsys.readouterr().err
+    assert "results.json: field 'model_dir' missing" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "results.json").read_text() == '{"settings": {}}' and not (tmp_path / "report.md").exists()
+
+
 def test_demo_train_command_reproduces_its_config(tmp_path):
     """The trainer config the demo builds as an object is the one its report's command line composes."""
     import shlex
