@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -19,8 +20,6 @@ import qad_recipe as R  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-
 def _env(**extra):
     # this worker may have run a trainer in its own process: its process-group variables (and the port its
     # store still listens on) must not reach a child, whose own launcher (accelerate, DeepSpeed) would reuse them
@@ -29,6 +28,8 @@ def _env(**extra):
     env.update(extra)
     return env
 
+
+@pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     # each script in its own process, as the GPU entry runs them: the trainer initialises torch.distributed,
     # after which Hugging Face's Trainer (Model Optimizer's QADTrainer) would wrap the frozen teacher in DDP

@@ -32,7 +32,6 @@ pytestmark = pytest.mark.slow
 LLMC_PY = REPO / ".venv-peer-llmc" / "bin" / "python"
 
 
-
 def _env(**extra):
     # this worker may have run a trainer in its own process: its process-group variables (and the port its
     # store still listens on) must not reach a child, whose own launcher (accelerate, DeepSpeed) would reuse them
@@ -40,6 +39,7 @@ def _env(**extra):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(extra)
     return env
+
 
 def _llmc_python() -> str:
     if not LLMC_PY.is_file() or subprocess.run([str(LLMC_PY), "-c", "import llmcompressor"],
