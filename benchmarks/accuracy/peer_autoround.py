@@ -115,17 +115,15 @@ def run(a) -> int:
         arm_dir = work / name.replace(" ", "_").replace("=", "")
         spec: Dict[str, Any] = {"model_dir": md, "out_dir": str(arm_dir), "scheme": preset, "overrides": overrides,
                                 "settings": st, "device": a.device, "seed": a.seed, "source": DOC}
-        try:
+
+        def arm():      # called at once: the loop's current values
             spec["calib"] = str(arm_dir / "calib.safetensors")
             info = PC.calib_windows(data, tok, st["seqlen"], st["nsamples"], arm_dir / "calib.safetensors")
             rec = PC.run_worker(python, Path(__file__), spec, arm_dir, a.peer_pythonpath, a.budget_s)
             r = PC.score(ev, rec, act_quant, dtype, a.device)
             r.update(source=DOC, calib=info, settings=st, scheme={"preset": preset, **overrides})
-            res["peer_version"] = rec["versions"].get("auto-round")
-            res["ptq"][row] = r
-        except Exception as e:  # noqa: BLE001 - a scheme that does not run here is a row saying why
-            res["ptq"][row] = {"error": f"{type(e).__name__}: {e}"[:300], "source": DOC}
-        print(f"[{a.tag}] {row}: {res['ptq'][row].get('wiki_ho', res['ptq'][row])}", flush=True)
+            return r, rec["versions"].get("auto-round")
+        PC.ptq_row(res, row, a.tag, DOC, arm)
     return PC.finish(a.out, res, a.tag)
 
 

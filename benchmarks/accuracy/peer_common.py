@@ -66,8 +66,19 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 # ============================================================================ harness side (this project's Python)
+def ptq_row(res: Dict[str, Any], row: str, tag: str, source: str, arm) -> None:
+    """res["ptq"][row] from ``arm()`` -> (scores, the peer's version); a recipe that does not run here is a row
+    saying why, never a score."""
+    try:
+        res["ptq"][row], version = arm()
+        res["peer_version"] = version
+    except Exception as e:  # noqa: BLE001 - the row names the failure; finish() exits non-zero on it
+        res["ptq"][row] = {"error": f"{type(e).__name__}: {e}"[:300], "source": source}
+    print(f"[{tag}] {row}: {res['ptq'][row].get('wiki_ho', res['ptq'][row])}", flush=True)
+
+
 def setup(a, tag: str, peer: str):
-    """peer_modelopt.py's setup: preset (with --steps as it applies it, so --merge accepts the JSON), data, teacher,
+    """Every peer's setup: preset (with --steps as it applies it, so --merge accepts the JSON), data, teacher,
     evaluator, training windows. Returns (p, work, data, res, teacher, tok, ev)."""
     sys.path.insert(0, str(HERE.parent / "papers"))
     sys.path.insert(0, str(HERE))

@@ -133,18 +133,16 @@ def run(a) -> int:
         arm_dir = work / name.replace(" ", "_")
         spec: Dict[str, Any] = {"model_dir": md, "out_dir": str(arm_dir), "kind": kind, "scheme": scheme,
                                 "group_size": GPTQ_GROUP, "device": a.device, "source": source}
-        try:
+
+        def arm():      # called at once: the loop's current values
             if n_calib:
                 spec["calib"] = str(arm_dir / "calib.safetensors")
                 spec["calib_info"] = PC.calib_windows(data, tok, seq, n_calib, arm_dir / "calib.safetensors")
             rec = PC.run_worker(python, Path(__file__), spec, arm_dir, a.peer_pythonpath, a.budget_s)
             r = PC.score(ev, rec, scheme in ("NVFP4", "MXFP4"), dtype, a.device)
             r.update(source=source, calib=spec.get("calib_info", "data-free (as documented)"))
-            res["peer_version"] = rec["versions"].get("llmcompressor")
-            res["ptq"][row] = r
-        except Exception as e:  # noqa: BLE001 - a recipe that does not run here is a row saying why
-            res["ptq"][row] = {"error": f"{type(e).__name__}: {e}"[:300], "source": source}
-        print(f"[{a.tag}] {row}: {res['ptq'][row].get('wiki_ho', res['ptq'][row])}", flush=True)
+            return r, rec["versions"].get("llmcompressor")
+        PC.ptq_row(res, row, a.tag, source, arm)
     return PC.finish(a.out, res, a.tag)
 
 

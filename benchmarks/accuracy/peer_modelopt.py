@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "papers"))
 import papers_common as C  # noqa: E402
+import peer_common as PC  # noqa: E402
 import qad_recipe as R  # noqa: E402
 
 TAG = "peer_modelopt"
@@ -105,21 +106,8 @@ def qad(student, teacher, train_ids, a, p, lr: float, out_dir: Path) -> Dict[str
 
 
 def run(a) -> int:
-    a.device = C.resolve_device(a)
-    p = R.preset(a.smoke)
-    if a.steps:
-        p["steps"] = a.steps
-        p["eval_every"] = max(1, a.steps // 8)
-    work = a.work or a.out / f"work-{a.tag}"
-    data = C.data_files(work, ("wiki_train", "austen_train") + R.HELD, p["limits"])
-    res: Dict[str, Any] = {"smoke": a.smoke, "preset": p, "format": a.format, "calib": f"modelopt {CALIB_SIZE}",
-                           "tokens_per_step": p["micro"] * p["seq"], "peer": "nvidia-modelopt",
-                           "peer_version": C._version("nvidia-modelopt"),
-                           "provenance": C.provenance(C.model_record(a.smoke, a.model_path), data, [a.seed], a.device)}
-    teacher, tok, _ = C.load_teacher(a.smoke, a.model_path, a.device)
-    ev = C.Evaluator(teacher, tok, {k: data["files"][k] for k in R.HELD}, {"*": p["eval_seq"]}, p["eval_windows"],
-                     a.device)
-    res["teacher"] = ev.evaluate(teacher)
+    p, work, data, res, teacher, tok, ev = PC.setup(a, a.tag, "nvidia-modelopt")
+    res.update(calib=f"modelopt {CALIB_SIZE}", peer_version=C._version("nvidia-modelopt"))
     train = windows([data["files"]["wiki_train"], data["files"]["austen_train"]], tok, p["seq"])
     calib = train.input_ids[:CALIB_SIZE]
     res["ptq"] = {}
