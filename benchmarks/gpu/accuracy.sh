@@ -55,7 +55,7 @@ case $cmd in
     run)
         mkdir -p "$OUT/accuracy" "$WORK"
         if [ -z "$SMOKE" ]; then
-            [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
+            bash tools/gpu/stage.sh link
             bash tools/gpu/stage.sh stash >/dev/null
             [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours || exit 1
             if [[ $JOBS == *peer_llmcompressor* || $JOBS == *peer_autoround* ]] && [ ! -d /tmp/site-llmc ]; then

@@ -61,7 +61,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
 # the package is not pip-installed there: exporters/ importable as qatfactory.exporters (device-local link)
-[ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+bash tools/gpu/stage.sh link
 OURS="/tmp/site:$PWD"
 # SGLang's JIT kernels: one cache each for the background warm-up and the runs, SGLang's own (tvm-ffi + nvcc)
 # and FlashInfer's (its norm module; FlashInfer puts it in $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)

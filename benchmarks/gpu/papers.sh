@@ -65,7 +65,7 @@ case $cmd in
         mkdir -p "$OUT/papers" "$WORK"
         if [ -z "$SMOKE" ]; then
             # not pip-installed there: exporters/ importable as qatfactory.exporters (a device-local link, as tools/gpu/run.sh)
-            [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
+            bash tools/gpu/stage.sh link
             bash tools/gpu/stage.sh stash >/dev/null
             [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours || exit 1
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/papers/gpu.txt" 2>&1

@@ -59,7 +59,7 @@ print('stashed:', staging.stash(Path('.gpu'), staging.STASH_DIR))"
         exec $PY benchmarks/gpu/pipeline.py --smoke "$@" ;;
     run)
         # as tools/gpu/run.sh does for an uninstalled copy: exporters/ importable as qatfactory.exporters
-        [ -e qatfactory/exporters ] || [ ! -d exporters ] || ln -s ../exporters qatfactory/exporters
+        bash tools/gpu/stage.sh link
         export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
         export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}   # DeepSpeed's op builder cannot parse "9.0a"
         exec $PY benchmarks/gpu/pipeline.py "$@" ;;

@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
 if [ -z "${LOCAL:-}" ]; then
     # the GPU machine: our stack from the carried wheels, exporters/ importable as qatfactory.exporters
-    [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+    bash tools/gpu/stage.sh link
     [ -d /tmp/site/deepspeed ] || bash tools/gpu/stage.sh install-ours
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/scaling/env.txt" 2>&1

@@ -62,7 +62,7 @@ if [ "$DEVICE" = cuda ]; then
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
     export PATH=/tmp/site/bin:$PATH
     export TORCH_CUDA_ARCH_LIST=9.0          # DeepSpeed builds its ops for the H200 only
-    [ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+    bash tools/gpu/stage.sh link
     PY=python3
     ARGS=(--model "$MODEL" --device cuda --seq 2048 --batch 4 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}"
           --repeat "${REPEAT:-3}" --job-timeout 200)

@@ -44,9 +44,7 @@ case $cmd in
             SITE=/tmp/site
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/step_versions/gpu.txt" 2>&1
         fi
-        for t in "$PWD" "$PWD/.oldtree"; do   # a source checkout finds the exporters inside the package
-            [ -e "$t/qatfactory/exporters" ] || ln -s ../exporters "$t/qatfactory/exporters"
-        done
+        for t in "$PWD" "$PWD/.oldtree"; do bash tools/gpu/stage.sh link "$t"; done
         echo "old: $(cat .oldtree/REV)  new: $(cat .oldtree/NEW 2>/dev/null || echo 'this working tree')" \
             > "$OUT/step_versions/versions.txt"
         extra=(); [ -n "${TINY:-}" ] && extra=(--model smoke --device cpu --seq 64 --batch 1)

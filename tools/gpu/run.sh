@@ -34,7 +34,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # the package is not pip-installed there: make exporters/ importable as qatfactory.exporters,
 # as setup.py's package_dir does on an installed copy (a device-local link, never committed)
-[ -e qatfactory/exporters ] || ln -s ../exporters qatfactory/exporters
+bash tools/gpu/stage.sh link
 export TORCH_CUDA_ARCH_LIST=9.0          # DeepSpeed builds its ops for the H200 only
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -9,6 +9,8 @@
 #   bash tools/gpu/stage.sh plan            # the carry list of every call, sizes checked against 64 MiB
 # There (each call carries one group and starts with this; carried folders are replaced by the next call,
 # so everything is copied to /tmp/qf-parts first and found there later):
+#   bash tools/gpu/stage.sh link            # qatfactory/{exporters,readers} -> ../exporters, ../readers (a tree
+#                                           # run without pip install, as setup.py's package_dir maps them)
 #   bash tools/gpu/stage.sh stash           # copy whatever this call carried into /tmp/qf-parts
 #   bash tools/gpu/stage.sh install-ours    # /tmp/site  <- .whl (our stack; PYTHONPATH=/tmp/site)
 #   bash tools/gpu/stage.sh install-peers   # /tmp/site-peers, /tmp/site-llmc <- .whl-peers (accuracy peers;
@@ -244,6 +246,13 @@ print('llm-compressor', llmcompressor.__version__, '| compressed-tensors', compr
         mkdir -p .sglang; [ -f .sglang/.gitignore ] || echo '*' > .sglang/.gitignore
         python3 benchmarks/gpu/sglang_jit.py stage "$@" --dest .sglang/jit || exit 2
         bash "$0" plan ;;
+    link)
+        # a source tree run without pip install: the folders setup.py maps into the package (package_dir)
+        # become links inside it, so qatfactory.exporters / qatfactory.readers import as on an installed copy
+        t=${2:-$PWD}
+        for d in exporters readers; do
+            [ -e "$t/qatfactory/$d" ] || [ ! -d "$t/$d" ] || ln -s "../$d" "$t/qatfactory/$d"
+        done ;;
     stash)
         mkdir -p "$PARTS"
         for src in .whl .vllm/deps .whl-peers/arrow .whl-peers/common .whl-peers/llmc; do
