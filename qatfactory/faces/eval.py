@@ -26,6 +26,7 @@ Writes ``results.json`` (lm-eval's results, the per-sample outputs when asked, p
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -494,10 +495,18 @@ def run(argv: List[str]) -> Dict[str, Any]:
     git_hash = getattr(lm_evaluator, "get_git_commit_hash", None)
     if git_hash is not None:
         lm_evaluator.get_git_commit_hash = _quiet.git_commit
+    # the student's weights do not change during an evaluation, yet every generated token's forward would
+    # fake-quantize every weight again (a k-quant scale search per tensor per token): the trainer's step
+    # cache keeps fq(W) once for the whole evaluation, the same bits as computing it per forward
+    frozen = contextlib.nullcontext()
+    if kind == "student":
+        from ..nn import step_cache  # noqa: PLC0415 (CLI start: torch)
+        frozen = step_cache.enabled(weights=True)
     try:
-        res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=_int(opts, "limit"),
-                              num_fewshot=_int(opts, "num_fewshot", lo=0), log_samples=_bool(opts, "log_samples"),
-                              bootstrap_iters=0, gen_kwargs=gen)
+        with frozen:
+            res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=_int(opts, "limit"),
+                                  num_fewshot=_int(opts, "num_fewshot", lo=0), log_samples=_bool(opts, "log_samples"),
+                                  bootstrap_iters=0, gen_kwargs=gen)
     finally:
         if git_hash is not None:
             lm_evaluator.get_git_commit_hash = git_hash

@@ -141,11 +141,24 @@ def test_wiki_word_perplexity_equals_a_hand_computation(setup):
     assert res["bits_per_byte,none"] == pytest.approx(-sum(lls) / nbytes / math.log(2), rel=1e-5)
 
 
-def test_gsm8k_generation_equals_greedy_decoding_by_hand(setup):
+def test_gsm8k_generation_equals_greedy_decoding_by_hand(setup, monkeypatch):
+    """Also: the student's weights are fake-quantized once for the whole evaluation (not per generated
+    token), and the answer is still the per-forward greedy decode below."""
     from qatfactory import assets
+    from qatfactory.nn.fake_quant import WeightQuantizer
     d, tok = setup
+    calls = []
+    fq = WeightQuantizer.forward
+
+    def counted(self, *a, **k):
+        calls.append(id(self))
+        return fq(self, *a, **k)
+    monkeypatch.setattr(WeightQuantizer, "forward", counted)
     rec = _run([d / "student", "tasks=qf_gsm8k", "limit=1", "max_gen_toks=12", f"out={d / 'o-gsm'}",
                 "log_samples=true"])
+    monkeypatch.setattr(WeightQuantizer, "forward", fq)
+    sites = sum(isinstance(m, WeightQuantizer) for m in _student(d).modules())
+    assert sites > 0 and len(set(calls)) == sites and len(calls) == sites, (len(calls), sites)
     q = assets.gsm8k()[0]["question"]
     model = _student(d)
     ids = tok.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)
