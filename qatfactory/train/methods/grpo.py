@@ -44,6 +44,7 @@ import torch
 from ... import quantize as Q
 from ...exitcodes import BadInputError
 from ...nn import adapter as AD
+from ...nn import packed_base as PB
 from ...nn.noise import AQN
 from .. import runtime as R
 from ..rl import losses as RL
@@ -79,6 +80,10 @@ class GRPO(Method):
                              f"trained policy ships as a LoRA adapter beside the base, and GGUF LoRA adapters are not "
                              f"supported; allowed: export=vllm or export=sglang (base + PEFT adapter), or "
                              f"method.rl.export_lora=merge (one GGUF of the merged policy)")
+        if r.base == "packed" and (r.lora_mode != "adapter" or not quantized(cfg)):
+            raise ValueError(f"method.rl.base=packed holds a quantized frozen base as its packed bytes; it needs "
+                             f"method.rl.lora_mode=adapter and a quantized format (got lora_mode={r.lora_mode!r}, "
+                             f"format={cfg.quant.weight_format!r})")
         if r.lora_mode == "merged" and not quantized(cfg):
             raise ValueError("method.rl.lora_mode='merged' merges into the quantizer; with format=bf16 use "
                              "lora_mode=adapter")
@@ -179,7 +184,8 @@ class GRPO(Method):
             self.aqn = AQN(self.lm, t.max_steps, a.sigma_start, a.sigma_end, a.stages, a.indexing, a.resample, a.seed,
                            a.include_final_norm)
         # adapter mode: the base frozen once at the weights the export serves, for the whole run
-        self.frozen = AD.serving_weights(self.lm) if (self.quantized and r.lora_mode == "adapter") else None
+        frozen = PB.packed_base if r.base == "packed" else AD.serving_weights
+        self.frozen = frozen(self.lm) if (self.quantized and r.lora_mode == "adapter") else None
         if self.frozen is not None:
             self.frozen.__enter__()
 

@@ -45,6 +45,7 @@ LOSS_NORMS = ("bnpo", "sequence", "dr_grpo")
 OLD_LOGPROBS = ("recompute", "rollout")
 LORA_MODES = ("adapter", "merged")
 EXPORT_LORA = ("adapter", "merge")
+BASES = ("dequantized", "packed")
 
 
 @dataclass
@@ -107,6 +108,9 @@ class RLConfig:
     lora_targets: List[str] = field(default_factory=lambda: ["*q_proj", "*k_proj", "*v_proj", "*o_proj",
                                                             "*gate_proj", "*up_proj", "*down_proj"])
     export_lora: str = "adapter"     # adapter (base through the gate + a PEFT adapter) | merge (Q(W + s*B@A))
+    # how the frozen base is held in adapter mode: its dequantized weights (fast, a second copy of the
+    # model) or its packed codes + scales, decoded per layer at each use (nn/packed_base.py; the same bits)
+    base: str = "dequantized"
     aqn: AQNConfig = field(default_factory=AQNConfig)
 
     def validate(self) -> "RLConfig":
@@ -114,6 +118,7 @@ class RLConfig:
                                 ("loss_norm", self.loss_norm, LOSS_NORMS),
                                 ("old_logprobs", self.old_logprobs, OLD_LOGPROBS),
                                 ("lora_mode", self.lora_mode, LORA_MODES), ("export_lora", self.export_lora, EXPORT_LORA),
+                                ("base", self.base, BASES),
                                 ("aqn.indexing", self.aqn.indexing, ("code", "paper")),
                                 ("aqn.resample", self.aqn.resample, ("step", "forward"))):
             if v not in allowed:

@@ -128,6 +128,28 @@ def test_export_adapter_beside_the_verified_base_and_merged(tmp_path):
     assert q["verify_ok"] is True and q["export_lora"] == "merged" and Path(q["student_dir"]).is_dir()
 
 
+def test_packed_base_trains_the_same_bits_as_the_dequantized_base(tmp_path):
+    # method.rl.base=packed holds the frozen base as codes + scales and decodes a layer at each use: every
+    # logged number and the trained adapter equal the run on the dequantized base
+    over = ["method=grpo", "train.max_steps=2", "train.micro_batch=8", "method.rl.num_iterations=2",
+            "method.rl.n_eval=2"]
+    _run(tmp_path / "deq", *over)
+    _run(tmp_path / "packed", *over, "method.rl.base=packed")
+    drop = ("time", "s_", "tok_per_s", "_ms", "seconds", "wall", "mem_")
+    clean = [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in _metrics(tmp_path / "deq")]
+    got = [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in _metrics(tmp_path / "packed")]
+    assert clean == got and any("reward" in r for r in got)
+    ta, tb = _adapter(tmp_path / "deq"), _adapter(tmp_path / "packed")
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    from qatfactory.train.config import compose
+    from qatfactory.train.methods.grpo import GRPO
+    for extra in (["method.rl.lora_mode=merged"], ["format=bf16"]):
+        with pytest.raises(ValueError, match="method.rl.base=packed holds a quantized frozen base"):
+            GRPO().validate(compose([*SAY7, "method=grpo", "method.rl.base=packed", *extra]))
+    with pytest.raises(ValueError, match=r"method.rl.base='int4'; allowed: \['dequantized', 'packed'\]"):
+        compose(["method=grpo", "method.rl.base=int4"])
+
+
 def test_bf16_lora_arm_and_refusals(tmp_path):
     # BF16-LoRA + AQN with the sampler's own (noisy) log-probs as the old policy: the ratio is 1 up to
     # float error while sigma is 0 (stage 0), and visibly off 1 once the rollouts carry noise
