@@ -241,18 +241,44 @@ class GRPO(Method):
                 with AD.adapters_disabled(lm) if r.lora_mode == "adapter" else P.lora_off(lm):
                     for mb in micro:
                         ref[mb] = module(ids[mb], attn[mb], pos[mb], comp[mb], mask_d[mb], mode="logp")
-            if r.old_logprobs == "rollout":
-                old = roll.logprobs.to(dev)
-            elif r.num_iterations > 1:
-                old = torch.zeros(comp.shape, dtype=torch.float32, device=dev)
+            check = r.sampler_check or r.sampler_kl_max > 0 or r.is_correction != "none"
+            trainer_old = None
+            if r.num_iterations > 1 or check:
+                trainer_old = torch.zeros(comp.shape, dtype=torch.float32, device=dev)
                 for mb in micro:
-                    old[mb] = module(ids[mb], attn[mb], pos[mb], comp[mb], mask_d[mb], mode="logp")
+                    trainer_old[mb] = module(ids[mb], attn[mb], pos[mb], comp[mb], mask_d[mb], mode="logp")
+            # one policy update per rollout: the old policy is the current one, detached in the loss forward
+            old = roll.logprobs.to(dev) if r.old_logprobs == "rollout" else \
+                (trainer_old if r.num_iterations > 1 else None)
+        self.gap, isw = None, None
+        if check:
+            self.gap = RL.sampler_gap(trainer_old, roll.logprobs.to(dev), mask_d)
+            if r.is_correction == "token_truncated":
+                isw = RL.is_weights(trainer_old, roll.logprobs.to(dev), r.is_cap)
+                self.gap["isw_sum"] = float((isw * mask_d.float()).sum())
+            self.check_gap(ctx)
         self.roll, self.scores, self.rewards = roll, scores, rewards
-        self.batch = (ids, attn, pos, comp, mask_d, adv_d, keep_d, old, ref)
+        self.batch = (ids, attn, pos, comp, mask_d, adv_d, keep_d, old, ref, isw)
         self.rows_mb, self.dens, self.per_mb = rows_mb, dens, per_mb
         self.agg: Dict[str, float] = {}
         self.first_ent = [0.0, 0.0]
         self.updates = 0
+
+    def check_gap(self, ctx: Context) -> None:
+        """The step's sampler-vs-trainer numbers over every rank, and the bound that stops a run."""
+        r, g = ctx.cfg.method.rl, self.gap
+        tot = P.all_sum([g["k3_sum"], g["absdiff_sum"], g["tokens"], g.get("isw_sum", 0.0)], ctx.device)
+        n = max(tot[2], 1.0)
+        rec = {"sampler_kl": tot[0] / n, "sampler_logp_absdiff": tot[1] / n,
+               "sampler_logp_absdiff_max": P.all_max(g["absdiff_max"], ctx.device)}
+        if r.is_correction != "none":
+            rec["is_weight_mean"] = tot[3] / n
+        self.gap_record = rec
+        if r.sampler_kl_max > 0 and rec["sampler_kl"] > r.sampler_kl_max:
+            raise RuntimeError(f"step {ctx.step}: the sampler's policy is {rec['sampler_kl']:.3g} nats/token (k3 KL "
+                               f"over {int(tot[2])} tokens) from the policy the trainer scores, above "
+                               f"method.rl.sampler_kl_max={r.sampler_kl_max:g}: what is sampled is not what is "
+                               f"trained (largest log-prob difference {rec['sampler_logp_absdiff_max']:.3g})")
 
     def micro_batches(self, ctx: Context) -> Iterator[Dict[str, Any]]:
         r, t = ctx.cfg.method.rl, ctx.cfg.train
@@ -266,10 +292,11 @@ class GRPO(Method):
                 self.updates += 1
 
     def train_step(self, ctx: Context, b: Dict[str, Any]) -> torch.Tensor:
-        ids, attn, pos, comp, mask_d, adv_d, keep_d, old, ref = self.batch
+        ids, attn, pos, comp, mask_d, adv_d, keep_d, old, ref, isw = self.batch
         mb = b["rows"]
         loss, st = ctx.call(ids[mb], attn[mb], pos[mb], comp[mb], mask_d[mb], adv_d[mb],
-                            None if old is None else old[mb], None if ref is None else ref[mb], keep_d[mb], b["scale"])
+                            None if old is None else old[mb], None if ref is None else ref[mb], keep_d[mb], b["scale"],
+                            isw=None if isw is None else isw[mb])
         st["loss_part"] /= self.gas * ctx.world
         for k, v in st.items():
             self.agg[k] = self.agg.get(k, 0.0) + v
@@ -306,6 +333,8 @@ class GRPO(Method):
             rec["kl"] = tot[14] / max(tot[10], 1.0)
         for k, v in self.noise_info.items():
             rec[f"aqn/{k}"] = v
+        if self.gap is not None:
+            rec.update(self.gap_record)
         self.roll = self.batch = None       # the step's buffers go before the next rollout
         return rec
 

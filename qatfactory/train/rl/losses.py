@@ -46,6 +46,7 @@ OLD_LOGPROBS = ("recompute", "rollout")
 LORA_MODES = ("adapter", "merged")
 EXPORT_LORA = ("adapter", "merge")
 BASES = ("dequantized", "packed")
+IS_CORRECTIONS = ("none", "token_truncated")
 
 
 @dataclass
@@ -111,6 +112,14 @@ class RLConfig:
     # how the frozen base is held in adapter mode: its dequantized weights (fast, a second copy of the
     # model) or its packed codes + scales, decoded per layer at each use (nn/packed_base.py; the same bits)
     base: str = "dequantized"
+    # what is sampled is what is trained: the sampler's log-probs against the trainer's recomputed ones on
+    # the same tokens, every step (sampler_kl); a run stops when that KL passes sampler_kl_max (0: no bound);
+    # token_truncated weighs each token's loss by min(pi_trainer / pi_sampler, is_cap), as TRL does for
+    # vLLM rollouts
+    sampler_check: bool = False
+    sampler_kl_max: float = 0.0
+    is_correction: str = "none"
+    is_cap: float = 2.0
     aqn: AQNConfig = field(default_factory=AQNConfig)
 
     def validate(self) -> "RLConfig":
@@ -118,7 +127,7 @@ class RLConfig:
                                 ("loss_norm", self.loss_norm, LOSS_NORMS),
                                 ("old_logprobs", self.old_logprobs, OLD_LOGPROBS),
                                 ("lora_mode", self.lora_mode, LORA_MODES), ("export_lora", self.export_lora, EXPORT_LORA),
-                                ("base", self.base, BASES),
+                                ("base", self.base, BASES), ("is_correction", self.is_correction, IS_CORRECTIONS),
                                 ("aqn.indexing", self.aqn.indexing, ("code", "paper")),
                                 ("aqn.resample", self.aqn.resample, ("step", "forward"))):
             if v not in allowed:
@@ -151,6 +160,13 @@ class RLConfig:
                              f"(the policy's log-probabilities are taken at this temperature)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"method.rl.top_p={self.top_p!r}; allowed: 0 < top_p <= 1")
+        if not self.sampler_kl_max >= 0 or not self.is_cap >= 1:
+            raise ValueError(f"method.rl.sampler_kl_max={self.sampler_kl_max!r}, is_cap={self.is_cap!r}; allowed: "
+                             f"sampler_kl_max >= 0 (0: no bound), is_cap >= 1")
+        if self.is_correction != "none" and self.old_logprobs != "recompute":
+            raise ValueError(f"method.rl.is_correction={self.is_correction!r} weighs the trainer's recomputed "
+                             f"old policy against the sampler's; with old_logprobs={self.old_logprobs!r} the "
+                             f"ratio already starts from the sampler: allowed is_correction='none' there")
         a = self.aqn
         if a.enabled and not (a.sigma_start > 0 and a.sigma_end > 0 and int(a.stages) >= 3):
             raise ValueError(f"method.rl.aqn: sigma_start={a.sigma_start!r}, sigma_end={a.sigma_end!r}, "
@@ -221,14 +237,34 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def sampler_gap(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> Dict[str, float]:
+    """How far the policy that sampled the tokens is from the one the trainer scores, on those tokens: sums
+    over counted tokens of k3 (an unbiased, non-negative estimator of KL(sampler || trainer) from tokens
+    the sampler drew) and of |log-prob difference|, the token count, and the largest difference."""
+    d = trainer_logp.float() - sampler_logp.float()
+    m = mask.bool()
+    k3 = torch.exp(d) - d - 1.0
+    mf = m.float()
+    return {"k3_sum": float((k3 * mf).sum()), "absdiff_sum": float((d.abs() * mf).sum()),
+            "tokens": float(mf.sum()), "absdiff_max": float(d.abs()[m].max()) if bool(m.any()) else 0.0}
+
+
+def is_weights(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights [N, T]: min(pi_trainer(token) / pi_sampler(token), cap), no gradient."""
+    return torch.exp(trainer_logp.float() - sampler_logp.float()).clamp(max=cap).detach()
+
+
 def per_token_loss(logp, old_logp, adv, clip_low: float, clip_high: float, beta: float = 0.0,
-                   ref_logp=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """loss_t [N, T] and the per-token indicators the trainer logs (ratio, clipped low/high, kl)."""
+                   ref_logp=None, is_weight=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """loss_t [N, T] and the per-token indicators the trainer logs (ratio, clipped low/high, kl).
+    ``is_weight`` [N, T] multiplies the clipped policy term (the sampler correction), not the KL term."""
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None].to(logp.dtype)
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * a
     loss = -torch.min(unclipped, clipped)
+    if is_weight is not None:
+        loss = loss * is_weight.to(loss.dtype)
     info = {"ratio": ratio.detach(),
             "clip_low": ((ratio < 1.0 - clip_low) & (a < 0)).detach(),
             "clip_high": ((ratio > 1.0 + clip_high) & (a > 0)).detach()}

@@ -31,14 +31,14 @@ class PolicyLM(nn.Module):
         return out.logits[:, :width]
 
     def forward(self, ids, attn, pos, comp, mask, adv=None, old=None, ref=None, keep=None, scale: float = 1.0,
-                mode: str = "loss"):
+                mode: str = "loss", isw=None):
         c = self.rl
         lp, ent = RL.token_logprobs(self.logits(ids, attn, pos, comp.shape[1]), comp, c.temperature,
                                     entropy=mode == "loss")
         if mode == "logp":
             return lp
         old_ = lp.detach() if old is None else old
-        loss_t, info = RL.per_token_loss(lp, old_, adv, c.clip_low, c.clip_high, c.beta, ref)
+        loss_t, info = RL.per_token_loss(lp, old_, adv, c.clip_low, c.clip_high, c.beta, ref, isw)
         num = RL.loss_terms(loss_t, mask, c.loss_norm, keep)
         m = mask & keep[:, None] if keep is not None else mask
         st = RL.token_stats(info, m)

@@ -144,3 +144,36 @@ def test_config_errors_name_the_field():
         rl.RLConfig(group_size=1).validate()
     with pytest.raises(ValueError, match="aqn"):
         rl.RLConfig(aqn=rl.AQNConfig(enabled=True, stages=2)).validate()
+
+
+def test_sampler_gap_and_truncated_importance_weights_by_hand():
+    # two completions of three tokens; the last token of the second is not counted
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
+    sampler = torch.tensor([[-1.5, -2.0, -0.1], [-0.1, -1.0, -9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    g = rl.sampler_gap(trainer, sampler, mask)
+    # k3 = e^d - d - 1 with d = trainer - sampler over the five counted tokens: 0.5, 0, -0.4, 0, -2
+    k3 = [math.exp(d) - d - 1 for d in (0.5, 0.0, -0.4, 0.0, -2.0)]
+    assert g["tokens"] == 5 and g["k3_sum"] == pytest.approx(sum(k3), rel=1e-6)
+    assert g["absdiff_sum"] == pytest.approx(2.9, rel=1e-6) and g["absdiff_max"] == pytest.approx(2.0)
+    w = rl.is_weights(trainer, sampler, cap=1.5)
+    assert w.tolist()[0] == pytest.approx([1.5, 1.0, math.exp(-0.4)], rel=1e-6)      # e^0.5 = 1.65 -> 1.5
+    assert w.tolist()[1][:2] == pytest.approx([1.0, math.exp(-2.0)], rel=1e-6)
+    # the weight scales the clipped policy term of each token, not the KL term
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([2.0])
+    ref = torch.tensor([[-1.2, -2.0, -0.7]])
+    plain, _ = rl.per_token_loss(logp, logp.detach(), adv, 0.2, 0.2, 0.1, ref)
+    weighted, _ = rl.per_token_loss(logp, logp.detach(), adv, 0.2, 0.2, 0.1, ref, is_weight=w[:1])
+    kl = rl.k3_kl(logp, ref)
+    assert torch.allclose(weighted, (plain - 0.1 * kl) * w[:1] + 0.1 * kl)
+    assert torch.allclose(weighted[0, 0], torch.tensor(-2.0 * 1.5 + 0.1 * float(kl[0, 0])))
+
+
+def test_sampler_options_are_checked():
+    with pytest.raises(ValueError, match=r"method.rl.is_correction='seq'; allowed: \['none', 'token_truncated'\]"):
+        rl.RLConfig(is_correction="seq").validate()
+    with pytest.raises(ValueError, match="is_cap=0.5"):
+        rl.RLConfig(is_cap=0.5).validate()
+    with pytest.raises(ValueError, match="with old_logprobs='rollout' the ratio already starts from the sampler"):
+        rl.RLConfig(is_correction="token_truncated", old_logprobs="rollout").validate()

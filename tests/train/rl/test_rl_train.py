@@ -150,6 +150,22 @@ def test_packed_base_trains_the_same_bits_as_the_dequantized_base(tmp_path):
         compose(["method=grpo", "method.rl.base=int4"])
 
 
+def test_sampler_vs_trainer_gap_is_logged_corrected_and_bounded(tmp_path):
+    # AQN perturbs the rollouts only: from stage 1 on the sampler's policy differs from the one the loss scores,
+    # and the gap, its correction weights and the bound see it; at stage 0 the two agree to float noise
+    aqn = ["method.rl.aqn.enabled=true", "method.rl.aqn.stages=3", "method.rl.aqn.sigma_start=0.05",
+           "method.rl.aqn.sigma_end=0.01"]
+    _run(tmp_path / "c", "method=dapo", "train.max_steps=2", "train.micro_batch=16", "method.rl.n_eval=0",
+         "method.rl.is_correction=token_truncated", "method.rl.is_cap=2.0", *aqn)
+    r0, r1 = [r for r in _metrics(tmp_path / "c") if "reward" in r]
+    assert r0["aqn/sigma"] == 0 and r0["sampler_kl"] < 1e-9 and r0["is_weight_mean"] == pytest.approx(1, abs=1e-5)
+    assert r1["aqn/sigma"] > 0 and r1["sampler_kl"] > 1e-4 and r1["sampler_logp_absdiff_max"] > 1e-2
+    assert r1["is_weight_mean"] != pytest.approx(1, abs=1e-4) and r1["is_weight_mean"] <= 2.0
+    with pytest.raises(RuntimeError, match=r"step 1: the sampler's policy is .* above method.rl.sampler_kl_max=1e-06"):
+        _run(tmp_path / "b", "method=dapo", "train.max_steps=2", "train.micro_batch=16", "method.rl.n_eval=0",
+             "method.rl.sampler_kl_max=1e-6", *aqn)
+
+
 def test_bf16_lora_arm_and_refusals(tmp_path):
     # BF16-LoRA + AQN with the sampler's own (noisy) log-probs as the old policy: the ratio is 1 up to
     # float error while sigma is 0 (stage 0), and visibly off 1 once the rollouts carry noise
