@@ -77,7 +77,20 @@ class _Windows:
         return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
 
 
-def qad(student, teacher, train_ids, a, p, lr: float, out_dir: Path) -> Dict[str, Any]:
+def _deadline_callback(deadline: Optional[float]):
+    """Stops the Trainer once the wall clock passes ``deadline`` (the call's budget less the evaluation), so
+    a job cut by the device call's limit still reports its student, as a row that says how many steps ran."""
+    from transformers import TrainerCallback
+
+    class Deadline(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if deadline is not None and time.time() > deadline:
+                control.should_training_stop = True
+            return control
+    return Deadline()
+
+
+def qad(student, teacher, train_ids, a, p, lr: float, out_dir: Path, deadline: Optional[float] = None) -> Dict[str, Any]:
     import torch
     from transformers import TrainingArguments
 
@@ -93,7 +106,8 @@ def qad(student, teacher, train_ids, a, p, lr: float, out_dir: Path) -> Dict[str
     n = p["steps"] * p["micro"]
     ds = _Windows(train_ids[:n] if len(train_ids) >= n else train_ids)
     tr = QADTrainer(model=student, args=args, train_dataset=ds,
-                    distill_args={"teacher_model": teacher, "temperature": 1.0, "criterion": "logits_loss"})
+                    distill_args={"teacher_model": teacher, "temperature": 1.0, "criterion": "logits_loss"},
+                    callbacks=[_deadline_callback(deadline)])
     t = time.time()
     tr.train()
     secs = time.time() - t
@@ -101,11 +115,16 @@ def qad(student, teacher, train_ids, a, p, lr: float, out_dir: Path) -> Dict[str
     student.eval()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {"seconds_train": secs, "step_ms": 1000 * secs / max(1, p["steps"]), "train_loss": losses,
-            "tokens": p["steps"] * p["micro"] * p["seq"]}
+    done = int(tr.state.global_step)
+    r = {"seconds_train": secs, "step_ms": 1000 * secs / max(1, done), "train_loss": losses,
+         "tokens": done * p["micro"] * p["seq"], "steps_done": done}
+    if done < p["steps"]:
+        r["cut"] = f"stopped at step {done} of {p['steps']} by the time budget (cosine schedule planned for {p['steps']})"
+    return r
 
 
 def run(a) -> int:
+    t_start = time.time()
     p, work, data, res, teacher, tok, ev = PC.setup(a, a.tag, "nvidia-modelopt")
     res.update(calib=f"modelopt {CALIB_SIZE}", peer_version=C._version("nvidia-modelopt"))
     train = windows([data["files"]["wiki_train"], data["files"]["austen_train"]], tok, p["seq"])
@@ -135,7 +154,9 @@ def run(a) -> int:
         for n_, q in student.named_modules():
             if "quantizer" in type(q).__name__.lower():
                 q.requires_grad_(False)
-        r = qad(student, teacher, train.input_ids, a, p, arm["lr"], work / arm["name"])
+        # the held-out evaluation after training takes well under a minute for this model
+        deadline = None if a.budget_s is None else t_start + a.budget_s - 45
+        r = qad(student, teacher, train.input_ids, a, p, arm["lr"], work / arm["name"], deadline)
         r.update(lr=arm["lr"], method="modelopt QADTrainer", schedule="cosine (5% warm-up)", scales="modelopt",
                  curve={"step": [], "kl": [], "ce": []})
         r["eval"] = ev.evaluate(student)

@@ -180,6 +180,7 @@ def report(out: Path, res: Dict[str, Any], tag: str = TAG) -> None:
     lines += ["", "ms/step and wall minutes are measured with every process of the same call sharing one GPU: "
                   "they compare arms of one call, not tools."]
     lines += C.status_lines(res.get("arms", []))
+    lines += [f"- {r['arm']}: {r['cut']}" for r in res.get("arms", []) if r.get("cut")]
     C.write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
     C.write_json(out / f"{tag}.json", res)
     draw_curves(out / f"{tag}.png", [res])
