@@ -73,6 +73,8 @@ def ptq_row(res: Dict[str, Any], row: str, tag: str, source: str, arm) -> None:
         res["ptq"][row], version = arm()
         res["peer_version"] = version
     except Exception as e:  # noqa: BLE001 - the row names the failure; finish() exits non-zero on it
+        import traceback
+        traceback.print_exc()           # the log keeps where it failed; the row keeps the one-line reason
         res["ptq"][row] = {"error": f"{type(e).__name__}: {e}"[:300], "source": source}
     print(f"[{tag}] {row}: {res['ptq'][row].get('wiki_ho', res['ptq'][row])}", flush=True)
 
@@ -146,7 +148,10 @@ def run_worker(python: str, script: Path, spec: Dict[str, Any], out_dir: Path, p
                            env=env, timeout=timeout)
     rec_path = out_dir / "worker.json"
     if r.returncode != 0 or not rec_path.is_file():
-        tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+        lines = log.read_text(errors="replace").strip().splitlines()
+        # the whole traceback into the harness's log (the worker's own log stays in the work folder)
+        print("\n".join(f"  worker| {x}" for x in lines[-60:]), flush=True)
+        tail = lines[-6:]
         raise RuntimeError(f"{script.name} worker ({python}) exit {r.returncode}: " + " | ".join(tail)[-600:])
     rec = json.loads(rec_path.read_text())
     rec["worker_seconds"] = time.time() - t
@@ -160,11 +165,20 @@ def load_export(export_dir: str, act_quant: bool, dtype, device: str):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
+    # loaded straight onto the evaluation device: transformers dispatches a compressed-tensors model with
+    # accelerate hooks that move every input to the device the weights were loaded on, so a model loaded on
+    # the CPU and moved to the GPU afterwards gets its inputs sent back to the CPU
+    place = {"device_map": {"": str(torch.device(device))}}
     if act_quant:
-        m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.bfloat16)
+        m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.bfloat16, **place)
     else:
-        m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype,
+        m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, **place,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
+    try:
+        from accelerate.hooks import remove_hook_from_module
+        remove_hook_from_module(m, recurse=True)
+    except ImportError:
+        pass
     return m.to(torch.device(device)).eval()
 
 
