@@ -149,16 +149,28 @@ def run(a) -> int:
     arms = [{"name": f"modelopt_qad_lr{lr:g}", "kind": "modelopt_qad", "lr": lr} for lr in a.lrs]
 
     def one(arm, seed):
+        import torch
         student = quantize(C.load_teacher(a.smoke, a.model_path, a.device)[0], cfgs[0], calib, a.device, p["micro"])
         student.train().requires_grad_(True)
         for n_, q in student.named_modules():
             if "quantizer" in type(q).__name__.lower():
                 q.requires_grad_(False)
+        # the example's launch (launch.sh: accelerate with FSDP2, mixed precision bf16) trains fp32 parameters:
+        # accelerate upcasts every trainable low-precision parameter to fp32 before sharding, and bf16 is the
+        # compute dtype only. Trained as loaded (bf16), AdamW's updates at 1e-5 fall below bf16's resolution.
+        upcast = 0
+        for prm in student.parameters():
+            if prm.requires_grad and prm.dtype != torch.float32:
+                prm.data = prm.data.float()
+                upcast += 1
         # the held-out evaluation after training takes well under a minute for this model
         deadline = None if a.budget_s is None else t_start + a.budget_s - 45
         r = qad(student, teacher, train.input_ids, a, p, arm["lr"], work / arm["name"], deadline)
         r.update(lr=arm["lr"], method="modelopt QADTrainer", schedule="cosine (5% warm-up)", scales="modelopt",
+                 master_weights=f"fp32 ({upcast} bf16 parameters upcast, as accelerate's FSDP2 launch does)",
                  curve={"step": [], "kl": [], "ce": []})
+        if a.device == "cuda":
+            student.to(torch.bfloat16)      # scored in the dtype every other arm's student is scored in
         r["eval"] = ev.evaluate(student)
         C.free(student)
         return r
