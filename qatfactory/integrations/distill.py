@@ -23,7 +23,9 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
+import yaml
 
+from .._recipes import recipes_dir
 from ..distill.losses import IGNORE_INDEX, LossConfig, lm_loss
 from ..distill.teachers import CachedTeacher, LiveTeacher
 from ..exitcodes import UsageError
@@ -53,6 +55,17 @@ def loss_config(loss: Union[None, str, LossConfig, dict], **fields) -> LossConfi
         return LossConfig(**d)
     except ValueError as e:
         raise UsageError(str(e).replace("LossConfig.", "method.loss.")) from None
+
+
+def method_loss(method: str, loss: Union[None, str, LossConfig, dict] = None) -> LossConfig:
+    """The LossConfig of ``qatfactory train method=<method>`` (recipes/method/<method>.yaml's method.loss), with
+    ``loss`` over it: a kind name, a dict of fields, or a LossConfig taken as it is."""
+    if isinstance(loss, LossConfig):
+        return loss
+    p = recipes_dir() / "method" / f"{method}.yaml"
+    d = ((yaml.safe_load(p.read_text(encoding="utf-8")) or {}).get("method") or {}).get("loss") or {}
+    over = {"kind": loss} if isinstance(loss, str) else dict(loss or {})
+    return loss_config(dict(d), **over)
 
 
 def student_loss(lm: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
