@@ -17,6 +17,7 @@ Hugging Face ``Trainer`` / TRL: :mod:`qatfactory.integrations.transformers`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -77,7 +78,7 @@ def calibration_batches(samples: Iterable[Any], n: int = CALIB_SAMPLES, device=N
         if len(out) >= n:
             break
         attn = None
-        if isinstance(s, dict):
+        if isinstance(s, Mapping):     # a dict, a tokenizer's BatchEncoding
             if "input_ids" not in s:
                 raise UsageError(f"calib: a sample without input_ids (keys {sorted(s)}); allowed: token ids, a tensor "
                                  f"or a dict with input_ids")

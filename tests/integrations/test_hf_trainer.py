@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from optional_imports import needed
 
 from qatfactory.train.config import compose
+
+needed("accelerate")     # transformers' Trainer runs on it (the test extra)
 
 STEPS, SEED = 3, 0
 BASE = ["train=cpu_tiny", "method=qad", "format=nvfp4_w4a16", "data.synthetic=16", "data.seq_len=32",
