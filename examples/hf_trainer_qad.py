@@ -27,7 +27,8 @@ a = p.parse_args()
 if a.tiny:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import tiny_model
-    a.model, docs, a.max_steps = tiny_model.make(f"{a.out}/tiny-model"), tiny_model.texts(), min(a.max_steps, 4)
+    a.model = a.model or tiny_model.make(f"{a.out}/tiny-model")      # several ranks: make it once, give --model
+    docs, a.max_steps = tiny_model.texts(), min(a.max_steps, 4)
 else:
     docs = [d for d in open(a.data).read().split("\n\n") if d.strip()]
 
@@ -44,6 +45,7 @@ trainer = QADTrainer(model=model, args=args, train_dataset=train, processing_cla
                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
                      format=a.format, ship=a.engine)       # teacher: a frozen copy of the model before quantization
 trainer.train()
+print(f"trained on {args.world_size} rank(s){' with DeepSpeed' if trainer.is_deepspeed_enabled else ''}")
 trainer.save_model()                                       # + <out>/student: the student with its format state
 if trainer.shipped is not None:                            # rank 0
     print("parity gate:", trainer.shipped.gate["verdict"], "->", trainer.shipped.path)

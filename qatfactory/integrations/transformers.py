@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import os
 from typing import Any, Dict, Optional, Union
 
@@ -38,6 +39,19 @@ from ..train.data import Order
 from .distill import Distiller, method_loss
 
 METHODS = ("qad", "qat")
+
+
+def _no_shm_comm_on_cpu() -> None:
+    """DeepSpeed's shared-memory collective is JIT-compiled (minutes) when a CPU process group starts; the
+    Trainer starts it when TrainingArguments are built, so this runs on import, before them (as
+    train/runtime.py's init_distributed does for our own loop). gloo does the collectives instead."""
+    if torch.cuda.is_available() or importlib.util.find_spec("deepspeed") is None:
+        return
+    import deepspeed.ops  # noqa: PLC0415 (only where DeepSpeed is installed)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+_no_shm_comm_on_cpu()
 _COPY = "copy"      # teacher= default of QAD: the model itself before quantization (method.teacher_path=null)
 
 

@@ -33,8 +33,37 @@ def test_example_trains_saves_and_ships(tmp_path, name, method):
     assert rc == 0, log[-4000:]
     assert f"parity gate: PASS -> {out / 'export-vllm'}" in log, log[-3000:]
     assert "'loss':" in log                                    # the Trainer logged its steps
+    assert "with DeepSpeed" not in log
     rec = json.loads((out / "student" / "qatfactory_quant.json").read_text())
     assert rec["quant_config"]["name"] == "nvfp4_w4a16"
     exp = json.loads((out / "export-vllm" / "hf_quant_config.json").read_text())
     assert "NVFP4" in json.dumps(exp)
     assert (out / "export-vllm" / "tokenizer.json").is_file()  # the model folder's tokenizer went with it
+
+
+def test_hf_example_on_two_gloo_ranks_with_deepspeed_zero2(tmp_path):
+    """What `accelerate launch --num_processes 2` / `torchrun --nproc_per_node 2` start: two processes of the
+    example with the launcher's variables, examples/ds_zero2.json as its DeepSpeed config, on CPU (gloo)."""
+    needed("deepspeed")
+    sys.path.insert(0, str(ROOT / "examples"))
+    import tiny_model
+    model = tiny_model.make(tmp_path / "model")      # made once: two ranks would write the same folder
+    from rank_launch import clean_env, free_port
+    base = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+                      "LOCAL_WORLD_SIZE": "2"})
+    out, procs = tmp_path / "run", []
+    for r in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "hf_trainer_qad.py"), "--tiny", "--model", model, "--out", str(out),
+             "--deepspeed", str(ROOT / "examples" / "ds_zero2.json")],
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, cwd=tmp_path))
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert f"parity gate: PASS -> {out / 'export-vllm'}" in logs[0] and "parity gate" not in logs[1]
+    # 32 samples, 2 per rank and step, 2 ranks: a step is an eighth of an epoch (one rank would make it a
+    # sixteenth); the student and the export come from rank 0 only
+    assert "'epoch': '0.125'" in logs[0] and "trained on 2 rank(s) with DeepSpeed" in logs[0], logs[0][-2000:]
+    # DeepSpeed's shared-memory collective is not JIT-compiled (minutes on a fresh machine): gloo runs them
+    assert not any("shm_comm_op built" in x for x in logs)
+    assert (out / "student" / "qatfactory_quant.json").is_file() and (out / "export-vllm" / "config.json").is_file()
