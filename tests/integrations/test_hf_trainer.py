@@ -32,7 +32,7 @@ class Rows(torch.utils.data.Dataset):
     def __getitem__(self, i):
         b = self.s.select([i])
         ids, attn, mask = b["input_ids"][0], b["attn"][0], b["mask"][0]
-        return {"input_ids": ids, "attention_mask": attn, "labels": ids.masked_fill(~mask.bool(), -100)}
+        return {"input_ids": ids, "attention_mask": attn, "labels": ids.masked_fill(~mask.bool(), -100), "sample_ids": i}
 
 
 def ours(run_dir, *over):
@@ -55,7 +55,7 @@ def hf_args(out, over=(), **kw):
     return cfg, TrainingArguments(**d)
 
 
-def hf_trainer(out, over=(), **kw):
+def hf_trainer(out, over=(), teacher="copy", **kw):
     """The same student as `ours` before training (tiny model of cfg.model, its seed), the same samples."""
     from qatfactory.integrations.transformers import QADTrainer
     from qatfactory.train.data import load_data
@@ -65,12 +65,14 @@ def hf_trainer(out, over=(), **kw):
     model, tok, _ = build_model(cfg)
     train, _ = load_data(cfg.data, tok, model.get_output_embeddings().weight.shape[0], cfg.train.seed)
     return QADTrainer(model=model, args=args, train_dataset=Rows(train), format=cfg.quant.name,
-                      data_order="qatfactory", ship=ship)
+                      data_order="qatfactory", ship=ship, teacher=teacher)
 
 
-def both(tmp_path, name, *over):
+def both(tmp_path, name, *over, teacher="copy"):
     ref = ours(tmp_path / f"ours-{name}", *over)
-    tr = hf_trainer(tmp_path / f"hf-{name}", over)
+    if teacher == "cache":      # the top-k cache our run wrote, read by sample id
+        teacher = tmp_path / f"ours-{name}" / "teacher_cache" / "train"
+    tr = hf_trainer(tmp_path / f"hf-{name}", over, teacher=teacher)
     tr.train()
     recs = [json.loads(x) for x in (tmp_path / f"ours-{name}" / "metrics.jsonl").read_text().splitlines()]
     return ref["student"].model.state_dict(), tr.model.state_dict(), [r["loss"] for r in recs if "loss" in r], tr
@@ -88,6 +90,17 @@ def test_hf_trainer_qad_is_our_loop_bit_for_bit(tmp_path):
     # it trained: the weights are not the start's
     start = hf_trainer(tmp_path / "start").model.state_dict()
     assert not torch.equal(start["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_cached_top_k_teacher_is_our_loop_bit_for_bit(tmp_path):
+    """method.teacher=cached: our run writes the top-k cache; QADTrainer given its folder reads it by the batch's
+    sample_ids (the rows' numbers) and trains the same student, bit for bit."""
+    mine, got, want, tr = both(tmp_path, "cached", "train.clip=0", "method.teacher=cached", "method.topk=16",
+                               teacher="cache")
+    assert tr.qatfactory.cache is not None and tr.qatfactory.live is None and tr.qatfactory.cache.k == 16
+    diff = [k for k in mine if not torch.equal(got[k], mine[k])]
+    assert not diff, diff[:8]
+    assert [r["loss"] for r in tr.state.log_history if "loss" in r] == pytest.approx(want, rel=1e-6)
 
 
 def test_with_gradient_clipping_the_difference_is_rounding_and_bounded(tmp_path):
