@@ -175,6 +175,14 @@ class QuantizationMixin:
         loss = self.qatfactory.loss(model, inputs["input_ids"], attn, inputs.get("labels"), inputs.get("sample_ids"))
         return (loss, {"loss": loss}) if return_outputs else loss
 
+    def log(self, logs, *args, **kwargs):
+        """The Trainer's log, with ``kl`` beside ``loss`` when the loss is exactly the mean KL(teacher ||
+        student), as ``qatfactory train`` records it (its trackers then name it train/kl on both paths)."""
+        c = self.qatfactory.cfg
+        if "loss" in logs and c.kind == "forward_kl" and c.ce_weight == 0 and c.kd_weight == 1 and c.temperature == 1:
+            logs = {**logs, "kl": logs["loss"]}
+        return super().log(logs, *args, **kwargs)
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         if self._signature_columns is not None and "sample_ids" not in self._signature_columns:

@@ -87,6 +87,8 @@ def test_hf_trainer_qad_is_our_loop_bit_for_bit(tmp_path):
     assert not diff, diff[:8]
     have = [r["loss"] for r in tr.state.log_history if "loss" in r]
     assert len(want) == len(have) == STEPS and have == pytest.approx(want, rel=1e-6), (have, want)
+    # the loss is the mean KL to the teacher: logged as kl too, as our loop logs it (train/kl on both paths' trackers)
+    assert all(r["kl"] == r["loss"] for r in tr.state.log_history if "loss" in r)
     # it trained: the weights are not the start's
     start = hf_trainer(tmp_path / "start").model.state_dict()
     assert not torch.equal(start["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"])
