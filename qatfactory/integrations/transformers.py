@@ -10,7 +10,8 @@ DeepSpeed config and trackers; our fake quantization, frozen teacher, chunked lo
 :class:`QADTrainer` distills from a frozen teacher (default: a copy of the model before it is quantized, as
 ``qatfactory train method=qad``), :class:`QATTrainer` trains on the labels (``method=qat``). For TRL or any
 other Trainer subclass, ``quantized(SFTTrainer)`` (or ``quantized(SFTTrainer, "qat")``) makes the same class
-on top of it. The student is quantized with :func:`qatfactory.api.quantize_model` after the base class has
+on top of it; ``quantized(GRPOTrainer, "rl")`` keeps TRL's GRPO loss and adds the quantized base, our LoRA
+(``quant={"lora": {"rank": 16}}``) and AQN on the rollouts (``aqn=``). The student is quantized with :func:`qatfactory.api.quantize_model` after the base class has
 built the model (TRL loads a model name there), calibrated on the first ``calib_samples`` training samples
 in file order, as our trainer does. The loss runs inside the model's forward (``Distiller.install``), so DDP,
 DeepSpeed ZeRO and accelerate's mixed precision wrap it as they wrap any forward.
@@ -27,6 +28,7 @@ import contextlib
 import copy
 import importlib.util
 import os
+from collections.abc import Mapping
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -38,7 +40,9 @@ from ..faces.ship import export_lines
 from ..train.data import Order
 from .distill import Distiller, method_loss
 
-METHODS = ("qad", "qat")
+# qad / qat: our loss in the Trainer; rl: the trainer's own loss (TRL's GRPO, ...), with the quantized base,
+# our LoRA on it (quant={"lora": {...}}) and AQN around the rollouts
+METHODS = ("qad", "qat", "rl")
 
 
 def _no_shm_comm_on_cpu() -> None:
@@ -80,6 +84,27 @@ def _full_model(model, rank: int):
     return contextlib.nullcontext(lm)
 
 
+def _aqn(model, aqn, args):
+    """nn.noise.AQN over the run's steps from ``aqn`` (True: method.rl.aqn's defaults; a dict of its fields)."""
+    if not aqn:
+        return None
+    from ..nn.noise import AQN  # noqa: PLC0415
+    from ..train.rl.losses import AQNConfig  # noqa: PLC0415 (the CLI's method.rl.aqn fields and defaults)
+    d = {} if aqn is True else dict(aqn)
+    known = {f for f in AQNConfig.__dataclass_fields__} - {"enabled"}
+    bad = sorted(set(d) - known)
+    if bad:
+        raise UsageError(f"aqn: unknown field(s) {bad}; allowed: {sorted(known)} (method.rl.aqn.*)")
+    c = AQNConfig(**{**d, "enabled": True})
+    if args.max_steps is None or args.max_steps <= 0:
+        raise UsageError("aqn= needs max_steps > 0 in the TrainingArguments (its schedule spans the run's steps)")
+    try:
+        return AQN(model, args.max_steps, c.sigma_start, c.sigma_end, c.stages, c.indexing, c.resample, c.seed,
+                   include_final_norm=c.include_final_norm)
+    except ValueError as e:
+        raise UsageError(f"aqn: {e}") from None
+
+
 def _ship_request(ship, output_dir: str) -> Optional[Dict[str, Any]]:
     if ship is None or ship is False:
         return None
@@ -99,7 +124,8 @@ class QuantizationMixin:
     """Fake quantization, the frozen teacher and our loss for a ``transformers.Trainer`` subclass (put it
     first: ``class MyTrainer(QuantizationMixin, SFTTrainer)``). Keyword arguments, beside the base class's:
 
-    * ``method``: ``qad`` (distil from ``teacher``; the class default of QADTrainer) or ``qat`` (CE on labels).
+    * ``method``: ``qad`` (distil from ``teacher``; the class default of QADTrainer), ``qat`` (CE on labels) or
+      ``rl`` (the base trainer's own loss, e.g. TRL's GRPO: quantization, our LoRA and AQN only).
     * ``format``: a format recipe (``qatfactory train format=``; default nvfp4_w4a16) or a QuantConfig;
       ``quant``: ``quant.*`` fields over the recipe. A model that is already quantized is kept as it is.
     * ``teacher``: a model, a model folder or a top-k cache folder (batches then carry ``sample_ids``);
@@ -110,6 +136,9 @@ class QuantizationMixin:
     * ``data_order``: ``"trainer"`` (the base class's sampler) or ``"qatfactory"`` (:class:`SeededOrder`).
     * ``ship``: an engine name or a dict of :func:`qatfactory.api.ship` arguments: exported and gated at the
       end of ``train()``; ``trainer.shipped`` holds the result.
+    * ``aqn`` (method=rl): True or a dict of ``method.rl.aqn`` fields: adaptive quantization noise on the norm
+      gains while the trainer samples rollouts (``_generate``, TRL's rollout method), clean for the loss. Not a
+      TrainerCallback: a callback's hooks cannot tell a step's rollout from its loss forward.
     """
 
     qatfactory_method = "qad"
@@ -117,14 +146,22 @@ class QuantizationMixin:
     def __init__(self, *args, method: Optional[str] = None, format: Union[str, Any] = api.DEFAULT_FORMAT,
                  quant: Optional[Dict[str, Any]] = None, teacher: Any = _COPY, loss: Any = None, calib=None,
                  calib_samples: int = api.CALIB_SAMPLES, calib_method: Optional[str] = None,
-                 data_order: str = "trainer", ship: Union[None, str, Dict[str, Any]] = None, **kwargs):
+                 data_order: str = "trainer", ship: Union[None, str, Dict[str, Any]] = None,
+                 aqn: Union[None, bool, Dict[str, Any]] = None, **kwargs):
         method = method or self.qatfactory_method
         if method not in METHODS:
             raise UsageError(f"method={method}: allowed: {list(METHODS)} (other methods run in `qatfactory train`)")
         if data_order not in ("trainer", "qatfactory"):
             raise UsageError(f"data_order={data_order!r}; allowed: ['trainer', 'qatfactory']")
         qcfg = api.quant_config(format, **(quant or {}))          # a bad format fails before any work
-        lcfg = method_loss(method, loss)
+        if method == "rl":
+            if loss is not None or (teacher is not _COPY and teacher is not None):
+                raise UsageError("method=rl keeps the trainer's own loss: loss= and teacher= do not apply")
+            lcfg = None
+        else:
+            if aqn:
+                raise UsageError(f"aqn= with method={method}: AQN perturbs rollouts; allowed with method=rl")
+            lcfg = method_loss(method, loss)
         if method == "qat" and lcfg.needs_teacher:
             raise UsageError(f"method.loss.kind={lcfg.kind!r} with method=qat: qat trains on CE; use method=qad")
         self.qatfactory_data_order = data_order
@@ -136,18 +173,31 @@ class QuantizationMixin:
             _fsutil.check_replaceable(self._qf_ship["out"], ("export",), "ship.out")
         model = self.model
         prepared = getattr(model, "_qf_config", None) is not None
-        if lcfg.needs_teacher and teacher is _COPY:
+        self.qatfactory_method = method
+        if lcfg is not None and lcfg.needs_teacher and teacher is _COPY:
             if prepared:
                 raise UsageError("teacher: the model is already quantized, so it cannot be its own teacher; give "
                                  "teacher= (the unquantized model, its folder or a top-k cache)")
             teacher = copy.deepcopy(model)
-        if not lcfg.needs_teacher and teacher is not _COPY and teacher is not None:
+        if lcfg is not None and not lcfg.needs_teacher and teacher is not _COPY and teacher is not None:
             raise UsageError(f"teacher= with method={method} (loss {lcfg.kind}): nothing distills from it")
         if not prepared:
             if calib is None and self.train_dataset is not None and hasattr(self.train_dataset, "__getitem__"):
                 n = min(calib_samples, len(self.train_dataset))
-                calib = [self.train_dataset[i] for i in range(n)]
+                # token samples only: a prompt dataset (GRPO) holds text, and a format with dynamic scales
+                # needs no samples (W4A4 / KV formats then ask for calib= by name)
+                calib = [x for x in (self.train_dataset[i] for i in range(n))
+                         if isinstance(x, Mapping) and "input_ids" in x] or None
             api.quantize_model(model, qcfg, calib=calib, calib_samples=calib_samples, calib_method=calib_method)
+        self.qatfactory = self._qf_aqn = None
+        if method == "rl":
+            self._qf_aqn = _aqn(model, aqn, self.args)
+        else:
+            self._qf_loss_setup(model, teacher, lcfg)
+        if self._qf_ship is not None:
+            self.add_callback(_ShipAtEnd(self))
+
+    def _qf_loss_setup(self, model, teacher, lcfg) -> None:
         z3 = None
         if getattr(self, "is_deepspeed_enabled", False):
             ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
@@ -160,12 +210,14 @@ class QuantizationMixin:
         # divides it by the accumulation steps (not by its own item count)
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
-        if self._qf_ship is not None:
-            self.add_callback(_ShipAtEnd(self))
 
     # ---------------------------------------------------------------- the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The method's loss (:class:`qatfactory.integrations.distill.Distiller`) on one batch."""
+        """The method's loss (:class:`qatfactory.integrations.distill.Distiller`) on one batch; with
+        method=rl the trainer's own."""
+        if self.qatfactory is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
         if "input_ids" not in inputs:
             raise UsageError(f"a batch without input_ids (keys {sorted(inputs)}); allowed: token batches of a causal LM")
         attn = inputs.get("attention_mask")
@@ -178,14 +230,25 @@ class QuantizationMixin:
     def log(self, logs, *args, **kwargs):
         """The Trainer's log, with ``kl`` beside ``loss`` when the loss is exactly the mean KL(teacher ||
         student), as ``qatfactory train`` records it (its trackers then name it train/kl on both paths)."""
-        c = self.qatfactory.cfg
-        if "loss" in logs and c.kind == "forward_kl" and c.ce_weight == 0 and c.kd_weight == 1 and c.temperature == 1:
+        c = self.qatfactory.cfg if self.qatfactory is not None else None
+        if self._qf_aqn is not None and self._qf_aqn.last:
+            logs = {**logs, **{f"aqn/{k}": v for k, v in self._qf_aqn.last.items()}}
+        if c is not None and "loss" in logs and c.kind == "forward_kl" and c.ce_weight == 0 and c.kd_weight == 1 and c.temperature == 1:
             logs = {**logs, "kl": logs["loss"]}
         return super().log(logs, *args, **kwargs)
 
+    def _generate(self, *args, **kwargs):
+        """TRL's rollout sampling (GRPOTrainer._generate), under AQN's noise when ``aqn=`` asks: the noise is
+        on for the sampling only, and the loss forward after it sees the clean model (nn/noise.py)."""
+        if self._qf_aqn is None:
+            return super()._generate(*args, **kwargs)
+        with self._qf_aqn.rollout(self.state.global_step):
+            return super()._generate(*args, **kwargs)
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if self._signature_columns is not None and "sample_ids" not in self._signature_columns:
+        if getattr(self, "qatfactory", None) is not None and self._signature_columns is not None \
+                and "sample_ids" not in self._signature_columns:
             self._signature_columns = list(self._signature_columns) + ["sample_ids"]   # a top-k cache reads them
 
     def _get_train_sampler(self, *args, **kwargs):

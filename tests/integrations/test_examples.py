@@ -67,3 +67,17 @@ def test_hf_example_on_two_gloo_ranks_with_deepspeed_zero2(tmp_path):
     # DeepSpeed's shared-memory collective is not JIT-compiled (minutes on a fresh machine): gloo runs them
     assert not any("shm_comm_op built" in x for x in logs)
     assert (out / "student" / "qatfactory_quant.json").is_file() and (out / "export-vllm" / "config.json").is_file()
+
+
+def test_trl_grpo_example_on_an_nvfp4_base_with_lora_and_aqn(tmp_path):
+    """TRL's GRPOTrainer with its own loss on our frozen NVFP4 base + LoRA, AQN on the rollouts (stage 0 adds
+    nothing, then sigma_start decaying to sigma_end), the merged student shipped through the gate."""
+    needed("trl")
+    out = tmp_path / "run"
+    rc, log = run_example("trl_grpo_nvfp4.py", out)
+    assert rc == 0, log[-4000:]
+    assert f"parity gate: PASS -> {out / 'export-vllm'}" in log, log[-3000:]
+    for s in ("'aqn/sigma': '0'", "'aqn/sigma': '0.01'", "'aqn/sigma': '0.0005'", "'reward':"):
+        assert s in log, (s, log[-3000:])
+    # LoRA learned something: a step with a gradient (completions of different lengths earn different rewards)
+    assert any(g not in ("'0'",) for g in __import__("re").findall(r"'grad_norm': ('[^']*')", log)), log[-3000:]

@@ -149,3 +149,38 @@ def test_hf_trainer_refusals_before_training(tmp_path):
     with pytest.raises(Exception, match="export"):
         hf_trainer(tmp_path / "c", ship="vllm")
     assert (tmp_path / "c" / "export-vllm" / "mine.txt").read_text() == "keep me"
+
+
+def test_rl_keeps_the_trainers_loss_trains_lora_only_and_noises_rollouts_only(tmp_path):
+    """method=rl (TRL's GRPO and the like): the base trainer's own loss, our frozen quantized base with LoRA
+    (only lora_A / lora_B train), and AQN on the norm gains inside the rollout sampling (`_generate`) only."""
+    from transformers import Trainer
+
+    from qatfactory.integrations.transformers import quantized
+    from qatfactory.train.runtime import build_model
+
+    class Sampler(Trainer):              # stands in for TRL's GRPOTrainer: its rollouts run in _generate
+        def _generate(self, prompts):
+            return self.model.model.layers[0].input_layernorm.weight.detach().clone()
+
+        def compute_loss(self, model, inputs, **kw):
+            return "the trainer's own"
+
+    model = build_model(compose(BASE))[0]
+    clean = model.model.layers[0].input_layernorm.weight.detach().clone()
+    tr = quantized(Sampler, "rl")(model=model, args=hf_args(tmp_path, max_steps=9)[1], quant={"lora": {"rank": 4}},
+                                  aqn={"stages": 3})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable), trainable
+    assert tr.compute_loss(model, {}) == "the trainer's own"
+    tr.state.global_step = 0                            # stage 0: no noise
+    assert torch.equal(tr._generate(["p"]), clean)
+    tr.state.global_step = 4                            # stage 1: sigma_start
+    noisy = tr._generate(["p"])
+    assert not torch.equal(noisy, clean) and tr._qf_aqn.last["sigma"] == pytest.approx(1e-2)
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, clean)     # the loss forward sees it clean
+    from qatfactory.exitcodes import UsageError
+    with pytest.raises(UsageError, match="method=rl keeps the trainer's own loss"):
+        quantized(Sampler, "rl")(model=build_model(compose(BASE))[0], args=hf_args(tmp_path)[1], loss="jsd")
+    with pytest.raises(UsageError, match="aqn= with method=qad"):
+        quantized(Sampler, "qad")(model=build_model(compose(BASE))[0], args=hf_args(tmp_path)[1], aqn=True)
