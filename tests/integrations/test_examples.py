@@ -24,7 +24,8 @@ def run_example(name, out, *extra):
     return p.returncode, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("name, method", [("hf_trainer_qad.py", "qad"), ("trl_sft_qat.py", "qat")])
+# examples/hf_trainer_qad.py runs below on two ranks (the launch a user makes); one process adds nothing
+@pytest.mark.parametrize("name, method", [("trl_sft_qat.py", "qat")])
 def test_example_trains_saves_and_ships(tmp_path, name, method):
     if name.startswith("trl"):
         needed("trl")
@@ -33,7 +34,6 @@ def test_example_trains_saves_and_ships(tmp_path, name, method):
     assert rc == 0, log[-4000:]
     assert f"parity gate: PASS -> {out / 'export-vllm'}" in log, log[-3000:]
     assert "'loss':" in log                                    # the Trainer logged its steps
-    assert "with DeepSpeed" not in log
     rec = json.loads((out / "student" / "qatfactory_quant.json").read_text())
     assert rec["quant_config"]["name"] == "nvfp4_w4a16"
     exp = json.loads((out / "export-vllm" / "hf_quant_config.json").read_text())
@@ -64,9 +64,10 @@ def test_hf_example_on_two_gloo_ranks_with_deepspeed_zero2(tmp_path):
     # 32 samples, 2 per rank and step, 2 ranks: a step is an eighth of an epoch (one rank would make it a
     # sixteenth); the student and the export come from rank 0 only
     assert "'epoch': '0.125'" in logs[0] and "trained on 2 rank(s) with DeepSpeed" in logs[0], logs[0][-2000:]
+    assert "'kl':" in logs[0]                                 # QAD's loss is the KL to the teacher, logged as such
     # DeepSpeed's shared-memory collective is not JIT-compiled (minutes on a fresh machine): gloo runs them
     assert not any("shm_comm_op built" in x for x in logs)
-    assert (out / "student" / "qatfactory_quant.json").is_file() and (out / "export-vllm" / "config.json").is_file()
+    assert (out / "student" / "qatfactory_quant.json").is_file() and (out / "export-vllm" / "tokenizer.json").is_file()
 
 
 def test_trl_grpo_example_on_an_nvfp4_base_with_lora_and_aqn(tmp_path):
