@@ -39,7 +39,7 @@ train = [tok(d, truncation=True, max_length=512) for d in docs]
 
 args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=2,
                          learning_rate=1e-5, lr_scheduler_type="constant", bf16=not a.tiny, use_cpu=a.tiny,
-                         gradient_checkpointing=not a.tiny, logging_steps=1, save_strategy="no",
+                         activation_checkpointing=not a.tiny, logging_steps=1, save_strategy="no",
                          report_to="none" if a.tiny else "all", deepspeed=a.deepspeed)
 trainer = QADTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False),

@@ -14,7 +14,8 @@ on top of it; ``quantized(GRPOTrainer, "rl")`` keeps TRL's GRPO loss and adds th
 (``quant={"lora": {"rank": 16}}``) and AQN on the rollouts (``aqn=``). The student is quantized with :func:`qatfactory.api.quantize_model` after the base class has
 built the model (TRL loads a model name there), calibrated on the first ``calib_samples`` training samples
 in file order, as our trainer does. The loss runs inside the model's forward (``Distiller.install``), so DDP,
-DeepSpeed ZeRO and accelerate's mixed precision wrap it as they wrap any forward.
+DeepSpeed ZeRO-1/2 and accelerate's mixed precision wrap it as they wrap any forward (ZeRO-3 is refused:
+:func:`check_zero_stage`).
 
 ``data_order="qatfactory"`` feeds the samples in ``qatfactory train``'s seeded order (data.Order with
 ``args.seed``) instead of a RandomSampler's: with the same settings the two trainers see the same batches.
@@ -24,7 +25,6 @@ a dict of :func:`qatfactory.api.ship`'s arguments) exports and gates the student
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import os
@@ -74,14 +74,14 @@ class SeededOrder(torch.utils.data.Sampler):
         return iter(self.order.take(e * self.order.n, self.order.n))
 
 
-def _full_model(model, rank: int):
-    """A context manager of the student with its full weights: the model itself, or under ZeRO-3 a CPU copy
-    gathered one layer at a time (None on the other ranks, which join every gather)."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        return contextlib.nullcontext(model if rank == 0 else None)
-    from ..train.stream_export import cpu_student  # noqa: PLC0415 (ZeRO-3 only)
-    lm, _ = cpu_student(model, rank)
-    return contextlib.nullcontext(lm)
+def check_zero_stage(ds_config: Dict[str, Any]) -> None:
+    """Refuse DeepSpeed ZeRO-3 here: the loss reads the head weight outside the module hooks that gather a
+    partitioned parameter, and the teacher would have to be partitioned the same way; `qatfactory train`
+    runs ZeRO-3 (train.zero_stage=3)."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        raise UsageError("DeepSpeed zero_optimization.stage=3 with a qatfactory Trainer: not supported here; allowed: "
+                         "stage 0, 1 or 2 (ZeRO-3 runs in `qatfactory train train.zero_stage=3`)")
 
 
 def _aqn(model, aqn, args):
@@ -171,6 +171,8 @@ class QuantizationMixin:
         if self._qf_ship is not None and self.args.should_save:
             # checked now, not after hours of training: an existing target must be an export of ours or empty
             _fsutil.check_replaceable(self._qf_ship["out"], ("export",), "ship.out")
+        if getattr(self, "is_deepspeed_enabled", False):
+            check_zero_stage(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         model = self.model
         prepared = getattr(model, "_qf_config", None) is not None
         self.qatfactory_method = method
@@ -198,13 +200,7 @@ class QuantizationMixin:
             self.add_callback(_ShipAtEnd(self))
 
     def _qf_loss_setup(self, model, teacher, lcfg) -> None:
-        z3 = None
-        if getattr(self, "is_deepspeed_enabled", False):
-            ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
-            if (ds.get("zero_optimization") or {}).get("stage") == 3:
-                z3 = ds
-        self.qatfactory = Distiller(teacher if lcfg.needs_teacher else None, lcfg, device=self.args.device,
-                                    zero3_config=z3)
+        self.qatfactory = Distiller(teacher if lcfg.needs_teacher else None, lcfg, device=self.args.device)
         self.qatfactory.install(model)
         # the loss is a mean over this micro-batch's counted tokens, as in `qatfactory train`: the Trainer
         # divides it by the accumulation steps (not by its own item count)
@@ -266,10 +262,9 @@ class QuantizationMixin:
             self.save_student(os.path.join(output_dir or self.args.output_dir, "student"))
 
     def save_student(self, out_dir: str) -> Optional[str]:
-        """Write the student with its format state to ``out_dir`` (rank 0; every rank joins a ZeRO-3 gather)."""
-        with _full_model(self.accelerator.unwrap_model(self.model), self.args.process_index) as lm:
-            if lm is not None and self.args.should_save:
-                api.save(lm, out_dir, source_dir=self._source_dir())
+        """Write the student with its format state to ``out_dir`` (rank 0)."""
+        if self.args.should_save:       # ZeRO-0/1/2 (ZeRO-3 is refused): every rank holds the full weights
+            api.save(self.accelerator.unwrap_model(self.model), out_dir, source_dir=self._source_dir())
         return out_dir
 
     def _source_dir(self) -> Optional[str]:
@@ -285,24 +280,24 @@ class QuantizationMixin:
 
     def ship(self, engine: str = api.DEFAULT_ENGINE, flavour: Optional[str] = None, out: Optional[str] = None, *,
              verify: bool = True, force: bool = False, source_dir: Optional[str] = None):
-        """Convert, export and gate the student now (:func:`qatfactory.api.ship`; rank 0, every rank joins a
-        ZeRO-3 gather): the Shipped on rank 0, None elsewhere. The gate's lines are printed."""
+        """Convert, export and gate the student now (:func:`qatfactory.api.ship`; rank 0, the others wait): the
+        Shipped on rank 0, None elsewhere. The gate's lines are printed."""
         out = out or os.path.join(self.args.output_dir, f"export-{engine}")
         if self.processing_class is not None and self.args.should_save and source_dir is None \
                 and self._source_dir() is None:
             self.processing_class.save_pretrained(self.args.output_dir)
         shipped = None
-        with _full_model(self.accelerator.unwrap_model(self.model), self.args.process_index) as lm:
-            if lm is not None and self.args.should_save:
-                was = lm.training
-                lm.eval()
-                try:
-                    shipped = api.ship(lm, engine, flavour, out, verify=verify, force=force,
-                                       source_dir=source_dir or self._source_dir())
-                finally:
-                    lm.train(was)
-                for line in export_lines(shipped.summary()):
-                    print(line, flush=True)
+        if self.args.should_save:
+            lm = self.accelerator.unwrap_model(self.model)
+            was = lm.training
+            lm.eval()
+            try:
+                shipped = api.ship(lm, engine, flavour, out, verify=verify, force=force,
+                                   source_dir=source_dir or self._source_dir())
+            finally:
+                lm.train(was)
+            for line in export_lines(shipped.summary()):
+                print(line, flush=True)
         self.accelerator.wait_for_everyone()
         self.shipped = shipped
         return shipped
@@ -323,7 +318,7 @@ class _ShipAtEnd(TrainerCallback):
 
 class ShipCallback(TrainerCallback):
     """For a plain ``Trainer`` training a model quantized with :func:`qatfactory.api.quantize_model`: export
-    and gate it when training ends (one process, full weights; :class:`QuantizationMixin` handles ZeRO-3).
+    and gate it when training ends (rank 0; the full weights, as ZeRO-0/1/2 hold them).
     ``shipped`` holds the result."""
 
     def __init__(self, engine: str = api.DEFAULT_ENGINE, out: Optional[str] = None, flavour: Optional[str] = None,

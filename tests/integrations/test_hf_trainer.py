@@ -184,3 +184,25 @@ def test_rl_keeps_the_trainers_loss_trains_lora_only_and_noises_rollouts_only(tm
         quantized(Sampler, "rl")(model=build_model(compose(BASE))[0], args=hf_args(tmp_path)[1], loss="jsd")
     with pytest.raises(UsageError, match="aqn= with method=qad"):
         quantized(Sampler, "qad")(model=build_model(compose(BASE))[0], args=hf_args(tmp_path)[1], aqn=True)
+
+
+def test_the_users_training_arguments_are_kept(tmp_path):
+    """Activation (gradient) checkpointing recomputes the same forward (the same student to the bit); bf16
+    autocast trains (the chunked loss accumulates in float32); ZeRO-3 is refused by name before anything runs."""
+    from qatfactory.exitcodes import UsageError
+    from qatfactory.integrations.transformers import check_zero_stage
+    over = ("train.clip=0",)
+    plain = hf_trainer(tmp_path / "plain", over, max_steps=2)
+    plain.train()
+    ckpt = hf_trainer(tmp_path / "ckpt", over, max_steps=2, activation_checkpointing=True)
+    ckpt.train()
+    assert ckpt.model.is_activation_checkpointing
+    a, b = plain.model.state_dict(), ckpt.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bf = hf_trainer(tmp_path / "bf16", over, max_steps=2, bf16=True)
+    bf.train()
+    losses = [r["loss"] for r in bf.state.log_history if "loss" in r]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), losses
+    check_zero_stage({"zero_optimization": {"stage": 2}})
+    with pytest.raises(UsageError, match="zero_optimization.stage=3 with a qatfactory Trainer: not supported"):
+        check_zero_stage({"zero_optimization": {"stage": 3}})
