@@ -142,6 +142,8 @@ class QuantizationMixin:
     """
 
     qatfactory_method = "qad"
+    qatfactory = None           # the Distiller (qad / qat), set once the model is quantized
+    _qf_aqn = None              # nn.noise.AQN (rl with aqn=)
 
     def __init__(self, *args, method: Optional[str] = None, format: Union[str, Any] = api.DEFAULT_FORMAT,
                  quant: Optional[Dict[str, Any]] = None, teacher: Any = _COPY, loss: Any = None, calib=None,
@@ -229,7 +231,8 @@ class QuantizationMixin:
         c = self.qatfactory.cfg if self.qatfactory is not None else None
         if self._qf_aqn is not None and self._qf_aqn.last:
             logs = {**logs, **{f"aqn/{k}": v for k, v in self._qf_aqn.last.items()}}
-        if c is not None and "loss" in logs and c.kind == "forward_kl" and c.ce_weight == 0 and c.kd_weight == 1 and c.temperature == 1:
+        pure_kl = c is not None and c.kind == "forward_kl" and (c.ce_weight, c.kd_weight, c.temperature) == (0, 1, 1)
+        if pure_kl and "loss" in logs:
             logs = {**logs, "kl": logs["loss"]}
         return super().log(logs, *args, **kwargs)
 
