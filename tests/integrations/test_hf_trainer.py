@@ -75,6 +75,7 @@ def both(tmp_path, name, *over, teacher="copy"):
     tr = hf_trainer(tmp_path / f"hf-{name}", over, teacher=teacher)
     tr.train()
     recs = [json.loads(x) for x in (tmp_path / f"ours-{name}" / "metrics.jsonl").read_text().splitlines()]
+    both.summary = ref
     return ref["student"].model.state_dict(), tr.model.state_dict(), [r["loss"] for r in recs if "loss" in r], tr
 
 
@@ -89,6 +90,13 @@ def test_hf_trainer_qad_is_our_loop_bit_for_bit(tmp_path):
     assert len(want) == len(have) == STEPS and have == pytest.approx(want, rel=1e-6), (have, want)
     # the loss is the mean KL to the teacher: logged as kl too, as our loop logs it (train/kl on both paths' trackers)
     assert all(r["kl"] == r["loss"] for r in tr.state.log_history if "loss" in r)
+    # the Trainer's evaluate() reports the method's loss: on the held-out samples, our run's final eval/kl
+    from qatfactory.train.data import load_data
+    from qatfactory.train.runtime import build_model
+    cfg = compose(BASE + ["train.clip=0", "train.grad_accum=2"])
+    _, held = load_data(cfg.data, build_model(cfg)[1], 259, cfg.train.seed)
+    ev = tr.evaluate(Rows(held))
+    assert ev["eval_loss"] == pytest.approx(both.summary["eval_last"]["eval/kl"], rel=1e-5)
     # it trained: the weights are not the start's
     start = hf_trainer(tmp_path / "start").model.state_dict()
     assert not torch.equal(start["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"])
