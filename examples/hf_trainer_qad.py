@@ -3,7 +3,8 @@ DeepSpeed config and trackers you already use; qatfactory adds NVFP4 fake quanti
 chunked KL loss, and at the end a vLLM export proven by the parity gate.
 
     python examples/hf_trainer_qad.py --model /path/to/model --data train.txt --out runs/hf-qad
-    accelerate launch --num_processes 2 examples/hf_trainer_qad.py --model ... --deepspeed ds_zero2.json
+    accelerate launch --num_processes 2 examples/hf_trainer_qad.py --model ... --deepspeed examples/ds_zero2.json
+    torchrun --nproc_per_node 2 examples/hf_trainer_qad.py --model ... --deepspeed examples/ds_zero2.json   (CPU: gloo)
     python examples/hf_trainer_qad.py --tiny --out /tmp/hf-qad       # a random tiny model, seconds on a CPU
 """
 import argparse
