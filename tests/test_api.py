@@ -134,3 +134,18 @@ def test_already_quantized_is_refused():
     m = qf.quantize_model(tiny())
     with pytest.raises(UsageError, match="already quantized"):
         qf.quantize_model(m)
+
+
+def test_a_teacher_folder_or_a_missing_one(tmp_path):
+    """teacher= a model folder is loaded (no remote code) and frozen: the same loss as the model given itself;
+    a folder that is not there is named."""
+    teacher = tiny(1)
+    teacher.save_pretrained(tmp_path / "teacher")
+    model = qf.quantize_model(tiny(0))
+    ids = torch.randint(0, 259, (2, 8), generator=torch.Generator().manual_seed(5))
+    a = qf.Distiller(teacher).loss(model, ids)
+    b = qf.Distiller(str(tmp_path / "teacher")).loss(model, ids)
+    assert torch.equal(a, b)
+    assert not any(p.requires_grad for p in qf.Distiller(str(tmp_path / "teacher")).teacher_module.parameters())
+    with pytest.raises(FileNotFoundError, match="nowhere.*is not a directory"):
+        qf.Distiller(str(tmp_path / "nowhere"))
