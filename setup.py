@@ -55,6 +55,7 @@ setup(
             "sentencepiece>=0.1.98,<0.3",   # llama.cpp's own convert_hf_to_gguf.py imports it for Llama vocabularies
             "lm-eval==0.4.13", "accelerate",   # `qatfactory eval ... tasks=` (qatfactory/faces/eval.py)
             "auto-round==0.16.1",   # tests/benchmarks/test_accuracy_peers.py: the AutoRound peer's smoke
+            "trl==1.16.0",   # examples/trl_sft_qat.py and qatfactory.integrations.transformers on TRL's SFTTrainer
         ],
         # benchmarks/accuracy's peers that install beside this project's pins (llm-compressor does not: it
         # pins transformers <= 5.17 and compressed-tensors 0.19, and runs from its own venv)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from qatfactory import _fsutil as _fs
+import qatfactory._fsutil as _fs
 from qatfactory._fsutil import check_replaceable
 from qatfactory._inputs import read_json
 from qatfactory.formats import ConvertedModel, FormatSpec, PackedTensor, get_format

@@ -13,6 +13,7 @@ WHERE = {
     "ml_dtypes": "the test extra: pip install -e '.[test]'",
     "lm_eval": "the eval extra: pip install qatfactory[eval]",
     "auto_round": "the test or bench extra: pip install -e '.[bench]'",
+    "trl": "the test extra: pip install -e '.[test]'",
 }
 
 

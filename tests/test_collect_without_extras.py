@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # llama.cpp's runtime (gguf, torch, transformers and DeepSpeed are the package's own dependencies: without
 # them nothing of qatfactory imports, so nothing can be tested)
 ABSENT = ("lm_eval", "accelerate", "ml_dtypes", "peft", "torchao", "sentencepiece", "diskcache", "libggml",
-          "compressed_tensors", "modelopt", "llama_cpp")
+          "compressed_tensors", "modelopt", "llama_cpp", "trl")
 
 HIDE = '''
 import importlib.machinery as _m

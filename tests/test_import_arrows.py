@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAF = {"exitcodes", "_fsutil", "_inputs", "_quiet", "_recipes", "_rdata", "assets", "cpu"}
-FACES = {"faces", "__main__"}
+FACES = {"faces", "__main__", "integrations", "api"}
 CORE = {"formats": set(), "kernels": {"formats"}, "nn": {"formats", "kernels"},
         "quantize": {"formats", "kernels", "nn"}, "distill": {"formats", "kernels", "nn", "quantize"},
         "native": {"formats", "kernels", "nn", "quantize", "readers"}, "exporters": {"formats"},

@@ -26,6 +26,7 @@ TOOLS = ((re.compile(r"(?:^|(?<=\s))(?:\.venv/bin/)?qatfactory(?=\s)"), f"{PY} -
 SUBSTITUTE = {
     # a placeholder for a model folder of yours: a random 2-layer Llama with a BPE tokenizer trained here
     "README.md#python": [("/path/to/local/model", "{model}", "no real model on a CPU test machine")],
+    "docs/integrations.md": [("/path/to/local/model", "{model}", "no real model on a CPU test machine")],
     # `<run>`: the run the same block trained above
     "README.md#cli": [("runs/<run>/student", "runs/tiny/student", "the placeholder names the run trained above")],
     # the gate's example names an export and a student made elsewhere: the ones README / engines.md made
@@ -76,7 +77,8 @@ PAGES = [("README.md#cli", "tiny"), ("docs/engines.md", "tiny"), ("docs/gate.md"
          ("docs/rl.md", "rl"), ("docs/install.md", "misc"), ("docs/formats.md", "misc"),
          ("docs/architecture.md", "misc"), ("docs/benchmarks.md", "misc"), ("docs/demo.md", "misc"),
          ("docs/evaluate.md", "misc"), ("docs/long-context.md", "misc"), ("docs/low-bit.md", "misc"),
-         ("docs/multi-gpu.md", "misc"), ("docs/scale-adapters.md", "misc")]
+         ("docs/multi-gpu.md", "misc"), ("docs/scale-adapters.md", "misc"),
+         ("docs/integrations.md", "integ")]
 
 PASS = "verdict: PASS"
 TRAIN_OK = (0, ["student: runs/tiny/student"], ["runs/tiny/student/qatfactory_quant.json"])
@@ -226,7 +228,8 @@ def test_quick_start_runs_as_written(ran, page):
         if rc is None:
             continue
         if cmd == "quickstart.py":
-            # README: prepare, calibrate, coverage, convert, ship: the gate's verdict is printed, the export written
+            # README: prepare, calibrate, coverage, convert, ship; integrations.md: QADTrainer with ship: the
+            # gate's verdict is printed, the export written
             assert rc == 0, out[-3000:]
             assert re.search(r"^PASS$", out, re.M), out[-3000:]
             exp = base / ws / "out" / "vllm"

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import List, Optional
 
-from qatfactory import exitcodes as X
+import qatfactory.exitcodes as X
 from qatfactory._fsutil import NotOursError, check_replaceable, write_text_atomic
 
 

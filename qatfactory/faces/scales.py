@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from qatfactory import exitcodes as X
+import qatfactory.exitcodes as X
 from qatfactory._fsutil import check_replaceable
 
 from .export import _print_result, verdict_code

@@ -33,6 +33,7 @@ from ..nn.weight_cache import BATCH_MODES as WEIGHT_CACHE_BATCH
 from ..quantize import QuantConfig
 from . import compose_checks as CC
 from . import methods as M
+from . import trackers
 from .data import ByteTokenizer, DataConfig
 from .methods import (
     NO_QUANT,  # noqa: F401  (re-exported: quant.weight_format=none trains the plain model)
@@ -134,6 +135,10 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: Optional[bool] = None  # None: TensorBoard logs when it is installed; true: say so when it is not
+    # the trackers beside metrics.jsonl, as Hugging Face's report_to: [tensorboard, wandb, mlflow] (each must be
+    # installed), [all] (those installed) or [none]; null: TensorBoard when installed (train.tensorboard).
+    # Their metric names are the HF Trainer's: train/loss, train/learning_rate, train/kl, eval/kl (trackers.py)
+    report_to: Optional[List[str]] = None
     # ParetoQ's full-precision-then-QAT schedule, run by the methods that support it (qat, qad;
     # train/methods/quant_start.py): the first round(quant_start * max_steps) steps train with
     # quantization off, then the scales are calibrated from the trained weights, quantization switches
@@ -296,6 +301,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"train.{fld}={getattr(t, fld)!r}; allowed: true or false")
     _choice("train.weight_cache_batch", t.weight_cache_batch, WEIGHT_CACHE_BATCH)
     _choice("train.nvfp4_kernel", t.nvfp4_kernel, NVFP4_KERNELS)
+    trackers.check(t.report_to)
     if t.grad_accum_dtype is not None:
         _choice("train.grad_accum_dtype", t.grad_accum_dtype, ("fp32",))
         if t.precision != "bf16" or t.zero_stage < 1:

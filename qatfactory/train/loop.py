@@ -138,7 +138,7 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> 
     history = ctx.history
     # an eval of a checkpoint leaves the run's own logs alone
     log = RunLogger(run_dir, rank == 0 and not eval_only, t.tensorboard, t.progress,
-                    t.max_steps if train_now else 0, logger_start)
+                    t.max_steps if train_now else 0, logger_start, report_to=t.report_to, config=to_dict(cfg))
     if decision.get("restart"):
         log.truncate_after(-1)           # the same run starting over: its old records are redone
     if resume_from is not None:

@@ -1,4 +1,4 @@
-"""Run logs: JSONL (always), TensorBoard (when installed), a progress bar, PNG plots and a summary."""
+"""Run logs: JSONL (always), the trackers of train.report_to (trackers.py), a progress bar, PNG plots and a summary."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from . import trackers
+
 
 def memory_gb() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -19,25 +21,30 @@ def memory_gb() -> float:
 
 
 class RunLogger:
-    """Rank 0 writes; other ranks hold a silent logger."""
+    """Rank 0 writes; other ranks hold a silent logger. ``report_to`` (train.report_to): the trackers beside
+    metrics.jsonl (trackers.py; None: TensorBoard when installed, unless ``tensorboard`` is False);
+    ``config``: the run's settings, which wandb and MLflow record with the run."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: Optional[bool] = None, progress: bool = True,
-                 total: int = 0, start: int = 0):
+                 total: int = 0, start: int = 0, report_to: Optional[Sequence[str]] = None,
+                 config: Optional[Dict] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.tb = None
         self.bar = None
         if not enabled:
             return
-        if tensorboard is not False:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional: tensorboard)
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
-            except ImportError:
-                # only a run that asked for TensorBoard hears that it is missing: metrics.jsonl has it all
-                if tensorboard:
-                    print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
-                          "(pip install tensorboard for TensorBoard logs)", flush=True)
+        names = trackers.resolve(report_to, tensorboard)
+        try:
+            self.tb = trackers.Trackers(names, run_dir, config)
+        except ImportError:
+            if report_to is not None:
+                raise
+            names = []
+        if report_to is None and tensorboard and "tensorboard" not in names:
+            # only a run that asked for TensorBoard hears that it is missing: metrics.jsonl has it all
+            print("[qatfactory] tensorboard is not installed: logging to metrics.jsonl only "
+                  "(pip install tensorboard for TensorBoard logs)", flush=True)
         if progress and total > start:
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
 
@@ -67,9 +74,7 @@ class RunLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
+            self.tb.log(rec)
 
     def progress(self, n: int, **post) -> None:
         if self.bar is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qatfactory import assets
+import qatfactory.assets as assets
 
 
 def _dataset(rows, split="test"):
