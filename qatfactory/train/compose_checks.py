@@ -22,6 +22,8 @@ from typing import Any, List, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from .._inputs import read_json
+from ..distill.losses import check_topk
 from ..exitcodes import BadInputError, UsageError
 from ..formats import get_format, list_formats
 from ..formats.layouts import ENGINE_CONTAINER, ENGINE_FLAVOURS, FLAVOUR_ALIASES
@@ -110,6 +112,12 @@ def check_inputs(cfg, method, asked_synthetic: bool) -> None:
             if not Path(p).exists():
                 raise UsageError(f"{fld}: {p} does not exist; allowed: existing files or directories (.txt, .jsonl, "
                                  f"a saved datasets directory)")
+    if cfg.method.loss.kind == "topk_kl" and m.path is not None and (Path(m.path) / "config.json").is_file():
+        # the vocabulary of a model folder, for method.loss.top_k's range (a config.json without a top-level
+        # vocab_size is checked when the loss first runs)
+        vocab = read_json(Path(m.path) / "config.json", want=dict).get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1:
+            check_topk(cfg.method.loss, vocab)
     trained = m.path is not None or m.asset is not None
     if trained and cfg.data.synthetic and not asked_synthetic and not method.needs.rollouts:
         raise UsageError(f"data.synthetic={cfg.data.synthetic} (the default data group: random tokens) with "
