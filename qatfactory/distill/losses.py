@@ -226,13 +226,19 @@ def _token_losses(zs: torch.Tensor, tchunk, labels: Optional[torch.Tensor], cfg:
     return out
 
 
-def _weights(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
-    """Per-token weight: 1/count for counted tokens, 0 elsewhere."""
+def counted(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
+    """Per-token 1 where the token counts in the loss (its mask, and for CE alone a label), else 0."""
     w = torch.ones(n, dtype=dtype, device=device)
     if mask is not None:
         w = w * mask.reshape(-1).to(device=device, dtype=dtype)
     if labels is not None and cfg.ce_coef != 0 and not cfg.needs_teacher:
         w = w * (labels.reshape(-1) != IGNORE_INDEX).to(device=device, dtype=dtype)
+    return w
+
+
+def _weights(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
+    """Per-token weight: 1/count for counted tokens, 0 elsewhere."""
+    w = counted(n, labels, mask, device, cfg, dtype)
     return w / w.sum().clamp_min(1.0)
 
 

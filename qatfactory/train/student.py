@@ -12,9 +12,10 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import _fsutil
-from ..distill.losses import LiveTeacherOut, TopKTeacherOut, lm_loss, lm_metrics
+from ..distill.losses import LiveTeacherOut, TopKTeacherOut, counted, lm_loss, lm_metrics
 from ..distill.teachers import (
     CachedTeacher,
     LiveTeacher,
@@ -24,6 +25,68 @@ from ..distill.teachers import (
     weights_sha256,
 )
 from .runtime import barrier, ds_config, load_teacher_model
+
+
+def _flat_teacher(t):
+    if t is None:
+        return None
+    if isinstance(t, TopKTeacherOut):
+        k = t.indices.shape[-1]
+        return TopKTeacherOut(t.logprobs.reshape(-1, k), t.indices.reshape(-1, k))
+    return LiveTeacherOut(t.hidden.reshape(-1, t.hidden.shape[-1]), t.weight)
+
+
+def _teacher_rows(t, sl: slice):
+    if t is None:
+        return None
+    if isinstance(t, TopKTeacherOut):
+        return TopKTeacherOut(t.logprobs[sl], t.indices[sl])
+    return LiveTeacherOut(t.hidden[sl], t.weight)
+
+
+def head_chunks_metrics(head: nn.Module, h, labels, mask, teacher, chunk_tokens: int) -> Dict[str, float]:
+    """lm_metrics for a head that is not a plain linear (a quantized or biased lm_head): the head runs on
+    ``chunk_tokens`` rows at a time, so no [tokens, vocabulary] logits exist beyond one chunk. Exact: the
+    head maps each row on its own (an input quantizer reads its calibrated static amax)."""
+    hf = h.reshape(-1, h.shape[-1])
+    lab = labels.reshape(-1)
+    mk = mask.reshape(-1)
+    tf = _flat_teacher(teacher)
+    out = {"tokens": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "agree_sum": 0.0}
+    step = int(chunk_tokens)
+    for s in range(0, hf.shape[0], step):
+        sl = slice(s, min(s + step, hf.shape[0]))
+        if not bool(mk[sl].any()):
+            continue
+        part = lm_metrics(head(hf[sl]), None, lab[sl], mk[sl], _teacher_rows(tf, sl), step)
+        for key in out:
+            out[key] += part[key]
+    return out
+
+
+def head_chunks_loss(head: nn.Module, h, labels, mask, teacher, cfg) -> torch.Tensor:
+    """lm_loss for a head that is not a plain linear, ``cfg.chunk_tokens`` rows at a time: each chunk's head
+    forward and loss run under activation checkpointing, so the backward keeps the chunk's hidden states and
+    recomputes its logits (instead of every chunk's [rows, vocabulary] logits gradient living until the
+    backward). The chunk losses are weighted by their share of the counted tokens: the same mean as one call."""
+    hf = h.reshape(-1, h.shape[-1])
+    lab = labels.reshape(-1)
+    mk = mask.reshape(-1)
+    tf = _flat_teacher(teacher)
+    cnt = counted(hf.shape[0], lab, mk, hf.device, cfg, torch.float64 if hf.dtype == torch.float64 else torch.float32)
+    total_cnt = cnt.sum().clamp_min(1.0)
+    step = int(cfg.chunk_tokens)
+    total = None
+    for s in range(0, hf.shape[0], step):
+        sl = slice(s, min(s + step, hf.shape[0]))
+
+        def piece(rows, sl=sl):
+            return lm_loss(head(rows), None, lab[sl], mk[sl], _teacher_rows(tf, sl), cfg)
+
+        part = checkpoint(piece, hf[sl], use_reentrant=False) if torch.is_grad_enabled() else piece(hf[sl])
+        part = part * (cnt[sl].sum() / total_cnt)
+        total = part if total is None else total + part
+    return hf.sum() * 0 if total is None else total
 
 
 class StudentLM(nn.Module):
@@ -43,13 +106,14 @@ class StudentLM(nn.Module):
     def head_param(self):
         return head_weight(self._head)
 
-    def shifted(self, input_ids, attn, mask, teacher=None):
+    def shifted(self, input_ids, attn, mask, teacher=None, apply_head: bool = True):
         """(hidden [B, T-1, H] or logits when the head is not a plain linear, head weight or None,
-        next-token labels, the mask of counted targets, the teacher's outputs at the same positions)."""
+        next-token labels, the mask of counted targets, the teacher's outputs at the same positions).
+        ``apply_head=False``: hidden states whatever the head (the caller runs a non-plain head itself)."""
         out = self._backbone(input_ids=input_ids, attention_mask=attn, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         w = head_weight(self._head)
-        if w is None:                       # a quantized / biased head: its own forward, then the loss on logits
+        if w is None and apply_head:        # a quantized / biased head: its own forward, then the loss on logits
             h = self._head(h)
         h = h[:, :-1]
         labels = input_ids[:, 1:]
@@ -62,8 +126,11 @@ class StudentLM(nn.Module):
 
     def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False):
         if metrics:
-            h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher)
-            s = lm_metrics(h, w, labels, m, t, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
+            h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher, apply_head=False)
+            if w is None:
+                s = head_chunks_metrics(self._head, h, labels, m, t, self.loss_cfg.chunk_tokens)
+            else:
+                s = lm_metrics(h, w, labels, m, t, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
             return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
                                 device=input_ids.device)
         if self._method is None:
@@ -73,8 +140,11 @@ class StudentLM(nn.Module):
     def default_loss(self, input_ids, attn, mask, teacher):
         """The chunked loss of ``loss_cfg`` over the next-token targets (the teacher only when the
         loss reads one): what a method's loss is unless it says otherwise."""
-        h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher)
-        return lm_loss(h, w, labels, m, t if self.loss_cfg.needs_teacher else None, self.loss_cfg)
+        h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher, apply_head=False)
+        t = t if self.loss_cfg.needs_teacher else None
+        if w is None:
+            return head_chunks_loss(self._head, h, labels, m, t, self.loss_cfg)
+        return lm_loss(h, w, labels, m, t, self.loss_cfg)
 
 
 class Teacher:
