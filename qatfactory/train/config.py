@@ -325,6 +325,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     if m.topk < 1:
         raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
     method.validate(cfg)
+    if cfg.data.doc_mask and method.needs.rollouts:
+        raise ValueError(f"data.doc_mask=true with method={m.name}: its samples are prompts it completes, not packed "
+                         f"documents; allowed: false")
     if m.loss.kind == "topk_kl" and m.teacher == "cached":
         check_topk(m.loss, 0, cached=True)
     if cfg.model.path is None and cfg.model.asset is None:

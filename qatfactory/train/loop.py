@@ -160,7 +160,8 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> 
         return engine(*args, **kw)
 
     def forward(b, tout):
-        return call(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
+        kw = {"position_ids": b["position_ids"].to(dev)} if "position_ids" in b else {}   # packed documents
+        return call(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout, **kw)
 
     def teacher_outputs(split, b):
         return ctx.teacher.batch(split, b, dev) if ctx.teacher is not None else contextlib.nullcontext()

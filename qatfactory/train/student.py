@@ -89,6 +89,16 @@ def head_chunks_loss(head: nn.Module, h, labels, mask, teacher, cfg) -> torch.Te
     return hf.sum() * 0 if total is None else total
 
 
+def backbone_kwargs(attn, position_ids) -> Dict[str, Optional[torch.Tensor]]:
+    """The attention arguments of a decoder forward: the 2-D mask, or for packed documents (data.doc_mask) their
+    position ids and no mask: transformers then builds a block-diagonal causal mask from the restarts (it reads
+    position ids for packing only when the 2-D mask is None), so no token attends across a document boundary.
+    Packed samples have no padding, so the mask dropped is all ones."""
+    if position_ids is None:
+        return {"attention_mask": attn}
+    return {"attention_mask": None, "position_ids": position_ids}
+
+
 class StudentLM(nn.Module):
     """The module DeepSpeed wraps: forward runs the method's loss (Method.loss), or the loop's
     evaluation sums (``metrics=True``). Without a method the loss is the chunked ``loss_cfg`` one."""
@@ -102,15 +112,18 @@ class StudentLM(nn.Module):
         object.__setattr__(self, "_backbone", backbone)
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_pos", None)      # the position ids of the forward in progress (packed documents)
 
     def head_param(self):
         return head_weight(self._head)
 
-    def shifted(self, input_ids, attn, mask, teacher=None, apply_head: bool = True):
+    def shifted(self, input_ids, attn, mask, teacher=None, apply_head: bool = True, position_ids=None):
         """(hidden [B, T-1, H] or logits when the head is not a plain linear, head weight or None,
         next-token labels, the mask of counted targets, the teacher's outputs at the same positions).
-        ``apply_head=False``: hidden states whatever the head (the caller runs a non-plain head itself)."""
-        out = self._backbone(input_ids=input_ids, attention_mask=attn, use_cache=False)
+        ``apply_head=False``: hidden states whatever the head (the caller runs a non-plain head itself).
+        ``position_ids`` (default: the ones given to forward): packed documents, see :func:`backbone_kwargs`."""
+        pos = self._pos if position_ids is None else position_ids
+        out = self._backbone(input_ids=input_ids, use_cache=False, **backbone_kwargs(attn, pos))
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         w = head_weight(self._head)
         if w is None and apply_head:        # a quantized / biased head: its own forward, then the loss on logits
@@ -124,7 +137,14 @@ class StudentLM(nn.Module):
             teacher = LiveTeacherOut(teacher.hidden[:, :-1], teacher.weight)
         return h, w, labels, m, teacher
 
-    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False):
+    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False, position_ids=None):
+        object.__setattr__(self, "_pos", position_ids)
+        try:
+            return self._forward(input_ids, attn, mask, teacher, metrics)
+        finally:
+            object.__setattr__(self, "_pos", None)
+
+    def _forward(self, input_ids, attn, mask, teacher, metrics: bool):
         if metrics:
             h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher, apply_head=False)
             if w is None:
@@ -160,7 +180,9 @@ class Teacher:
 
     def batch(self, split: str, batch: Dict[str, torch.Tensor], device):
         if self.live is not None:
-            return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device))
+            pos = batch.get("position_ids")
+            return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device),
+                                     None if pos is None else pos.to(device))
         t = self.caches[split].get(batch["sample_ids"])
         return contextlib.nullcontext(TopKTeacherOut(t.logprobs.to(device), t.indices.to(device)))
 
@@ -186,7 +208,8 @@ def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world
                 idx = [0]
             b = samples.select(idx)
             with teacher.batch("eval", b, device) if teacher is not None else contextlib.nullcontext() as t:
-                s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True)
+                kw = {"position_ids": b["position_ids"].to(device)} if "position_ids" in b else {}
+                s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True, **kw)
             if real:
                 sums += s.cpu()
     if was_training:

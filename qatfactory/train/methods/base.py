@@ -46,6 +46,13 @@ from ..student import StudentLM, eval_count, evaluate
 NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
 
 
+def _calib_batch(b, dev) -> Dict[str, torch.Tensor]:
+    """A calibration forward's kwargs: packed documents (position ids) attend as in training."""
+    if "position_ids" in b:
+        return {"input_ids": b["input_ids"].to(dev), "position_ids": b["position_ids"].to(dev), "use_cache": False}
+    return {"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
+
+
 def quantized(cfg) -> bool:
     return cfg.quant.weight_format not in NO_QUANT
 
@@ -240,8 +247,7 @@ class Method:
                   flush=True)
         s, dev = ctx.train_data, ctx.device
         n = min(cfg.method.calib_samples, len(s))
-        ctx.calib = [{"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
-                     for b in (s.select([i]) for i in range(n))]
+        ctx.calib = [_calib_batch(s.select([i]), dev) for i in range(n)]
         if cfg.method.calibrate and not ctx.resumed:
             Q.calibrate(ctx.model, ctx.calib, cfg.quant.calib_method)
 
