@@ -34,7 +34,7 @@ import torch
 from .._inputs import loads
 from ..exitcodes import BadInputError
 
-MAX_SEQ_LEN = 32768
+MAX_SEQ_LEN = 131072
 
 
 @dataclass

@@ -101,3 +101,11 @@ def test_a_tiny_run_trains_on_packed_documents(tmp_path):
         losses[dm] = [r["loss"] for r in recs if "loss" in r]
     assert len(losses["true"]) == 2 and all(x == x for x in losses["true"])
     assert abs(losses["true"][0] - losses["false"][0]) > 1e-4      # the trainer's forward took the restarts
+
+
+def test_long_recipes_pack_documents_apart(tmp_path):
+    from qatfactory.train.config import compose
+    p = _docs_file(tmp_path, ["x"])
+    for name, n in (("long_32k", 32768), ("long_128k", 131072)):
+        d = compose([f"data={name}", f"data.train=[{p}]"]).data
+        assert d.seq_len == n and d.pack and d.doc_mask, name
