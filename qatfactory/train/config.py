@@ -170,6 +170,8 @@ class TrainConfig:
     weight_cache_batch: str = "auto"
     lowbit_batch: bool = True
     nvfp4_kernel: str = "auto"
+    # Ulysses sequence parallelism (train/seqpar.py): one sequence spread over this many ranks (1: off)
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -328,6 +330,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.data.doc_mask and method.needs.rollouts:
         raise ValueError(f"data.doc_mask=true with method={m.name}: its samples are prompts it completes, not packed "
                          f"documents; allowed: false")
+    CC.check_sequence_parallel(cfg, method, type(method).loss is M.Method.loss)
     if m.loss.kind == "topk_kl" and m.teacher == "cached":
         check_topk(m.loss, 0, cached=True)
     if cfg.model.path is None and cfg.model.asset is None:

@@ -30,7 +30,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..distill.losses import counted, lm_loss
+from ..distill.losses import counted, lm_loss, lm_metrics
 from ..distill.teachers import head_weight
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -80,15 +80,36 @@ def shard(input_ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor, sp_ra
             "target_mask": tmask[:, sl]}
 
 
+def shard_batch(b: Dict[str, torch.Tensor], sp_rank: int, sp: int) -> Dict[str, torch.Tensor]:
+    """A micro-batch of ``Samples.select`` cut for this rank: :func:`shard`'s tensors plus ``attn`` (this shard's),
+    ``sample_ids``, and ``shard`` = (first, end) position, which a cached teacher's outputs are sliced by."""
+    part = shard(b["input_ids"], b["mask"], b["attn"], sp_rank, sp, b.get("position_ids"))
+    n = part["input_ids"].shape[1]
+    a = sp_rank * n
+    part.update(attn=b["attn"][:, a:a + n], mask=b["mask"][:, a:a + n], sample_ids=b["sample_ids"],
+                shard=torch.tensor([a, a + n]))
+    return part
+
+
+def _hidden(backbone, head, part):
+    out = backbone(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False)
+    h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    w = head_weight(head)
+    return (head(h) if w is None else h), w
+
+
+def sp_metrics(backbone, head, part: Dict[str, torch.Tensor], teacher, chunk_tokens: int,
+               vocab_chunk=None) -> Dict[str, float]:
+    """lm_metrics' sums of this rank's shard (the evaluation adds every rank's)."""
+    h, w = _hidden(backbone, head, part)
+    return lm_metrics(h, w, part["targets"], part["target_mask"], teacher, chunk_tokens, vocab_chunk=vocab_chunk)
+
+
 def sp_loss(backbone, head, part: Dict[str, torch.Tensor], teacher, cfg, group, sp: int) -> torch.Tensor:
     """This rank's share of the group's mean loss (module docstring): the shard's loss sum / the group's count x sp.
     ``teacher``: the teacher's outputs on the same shard (a LiveTeacherOut or TopKTeacherOut), or None."""
     import deepspeed.comm as dist  # noqa: PLC0415 (optional: deepspeed)
-    out = backbone(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False)
-    h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    w = head_weight(head)
-    if w is None:
-        h = head(h)
+    h, w = _hidden(backbone, head, part)
     lab, m = part["targets"], part["target_mask"]
     local = counted(lab.numel(), lab, m, h.device, cfg, torch.float64 if h.dtype == torch.float64 else torch.float32)
     mine = local.sum()

@@ -113,6 +113,8 @@ class StudentLM(nn.Module):
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_method", method)
         object.__setattr__(self, "_pos", None)      # the position ids of the forward in progress (packed documents)
+        # (process group, size) of Ulysses sequence parallelism (train/seqpar.py), set by the trainer
+        object.__setattr__(self, "seq_parallel", None)
 
     def head_param(self):
         return head_weight(self._head)
@@ -137,7 +139,20 @@ class StudentLM(nn.Module):
             teacher = LiveTeacherOut(teacher.hidden[:, :-1], teacher.weight)
         return h, w, labels, m, teacher
 
-    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False, position_ids=None):
+    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False, position_ids=None,
+                targets=None, target_mask=None):
+        if targets is not None:
+            # a sequence-parallel shard (train/seqpar.py): targets were taken before the sequence was cut
+            from . import seqpar  # noqa: PLC0415 (deepspeed's sequence parallelism, only when asked)
+            part = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets,
+                    "target_mask": target_mask}
+            if metrics:
+                s = seqpar.sp_metrics(self._backbone, self._head, part, teacher, self.loss_cfg.chunk_tokens,
+                                      self.loss_cfg.vocab_chunk)
+                return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
+                                    device=input_ids.device)
+            group, sp = self.seq_parallel
+            return seqpar.sp_loss(self._backbone, self._head, part, teacher, self.loss_cfg, group, sp)
         object.__setattr__(self, "_pos", position_ids)
         try:
             return self._forward(input_ids, attn, mask, teacher, metrics)
@@ -184,15 +199,24 @@ class Teacher:
             return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device),
                                      None if pos is None else pos.to(device))
         t = self.caches[split].get(batch["sample_ids"])
-        return contextlib.nullcontext(TopKTeacherOut(t.logprobs.to(device), t.indices.to(device)))
+        lp, ix = t.logprobs, t.indices
+        if "shard" in batch:                 # a sequence-parallel shard: the cache holds whole sequences
+            a, e = batch["shard"].tolist()
+            lp, ix = lp[:, a:e], ix[:, a:e]
+        return contextlib.nullcontext(TopKTeacherOut(lp.to(device), ix.to(device)))
 
 
-def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world: int, device) -> Dict[str, float]:
+def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world: int, device,
+             sp=(0, 1)) -> Dict[str, float]:
     """KL to the teacher, CE, perplexity and top-1 agreement over the first ``n`` held-out samples
     (all ranks). ``model``: a StudentLM, or the DeepSpeed engine wrapping one; ``teacher``: an
     object with ``batch(split, batch, device)`` (a context manager of the teacher's outputs) and
-    ``has_eval``, or None."""
+    ``has_eval``, or None. ``sp``: (this rank's index in its sequence-parallel group, the group's size): the
+    group's ranks read the same samples, each its shard (train/seqpar.py)."""
     mb = micro_batch
+    sp_rank, sp_size = sp
+    all_ranks = world
+    rank, world = rank // sp_size, world // sp_size          # the data-parallel split of the samples
     sums = torch.zeros(4, dtype=torch.float64)
     mod = getattr(model, "module", model)
     was_training = mod.training
@@ -206,15 +230,22 @@ def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world
             real = bool(idx)
             if not real:
                 idx = [0]
-            b = samples.select(idx)
+            pad = mb - len(idx) if sp_size > 1 else 0
+            b = samples.select(idx + idx[:1] * pad)
+            if sp_size > 1:
+                # Ulysses attention is built for micro_batch rows: a short last batch is padded with rows that
+                # count no token
+                b["mask"][len(idx):] = False
+                from .seqpar import shard_batch  # noqa: PLC0415 (only under sequence parallelism)
+                b = shard_batch(b, sp_rank, sp_size)
             with teacher.batch("eval", b, device) if teacher is not None else contextlib.nullcontext() as t:
-                kw = {"position_ids": b["position_ids"].to(device)} if "position_ids" in b else {}
+                kw = {k: b[k].to(device) for k in ("position_ids", "targets", "target_mask") if k in b}
                 s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True, **kw)
             if real:
                 sums += s.cpu()
     if was_training:
         model.train()
-    if world > 1:
+    if all_ranks > 1:
         st = sums.to(device)
         torch.distributed.all_reduce(st)
         sums = st.cpu()
