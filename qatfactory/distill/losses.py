@@ -76,7 +76,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .topk_kl import teacher_topk, topk_chunk
+from .topk_kl import teacher_topk, topk_chunk, topk_sliced
 
 LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd", "ce", "topk_kl")
 IGNORE_INDEX = -100
@@ -512,8 +512,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if vc is not None:
                 acc_h = torch.zeros(h[sl].shape, dtype=_acc(h), device=h.device) if need_h else None
                 lab = None if labels is None else labels[sl]
-                total += _vocab_sliced(h[sl], w, _rows(teacher, sl, _acc(h)) if teacher is not None else None,
-                                       lab, wt, cfg, vc, acc_h, grad_w)
+                if cfg.kind == "topk_kl":
+                    hs, tr, dt = h[sl], _rows(teacher, sl, _acc(h)), _acc(h)
+                    total += topk_sliced(
+                        lambda a, e: _slice_logits(hs, w, a, e, dt),
+                        lambda a, e: _slice_logits(tr.hidden, tr.weight, a, e, dt),
+                        (lambda a, e, gz: _fold(hs, w, a, e, gz, acc_h, grad_w)) if need_h or need_w else None,
+                        hs.shape[0], vocab, vc, int(cfg.top_k), lab, wt.to(dt), cfg)
+                else:
+                    total += _vocab_sliced(h[sl], w, _rows(teacher, sl, _acc(h)) if teacher is not None else None,
+                                           lab, wt, cfg, vc, acc_h, grad_w)
                 if need_h:
                     grad_h[sl] = acc_h.to(h.dtype)
                 continue
@@ -565,10 +573,6 @@ def check_topk(cfg: LossConfig, vocab: int, cached: bool = False) -> None:
                          "and the tail mass are taken from the live teacher's full-vocabulary logits each step)")
     if int(cfg.top_k) > vocab:
         raise ValueError(f"method.loss.top_k={cfg.top_k} with a vocabulary of {vocab} tokens; allowed: 1..{vocab}")
-    if cfg.vocab_chunk is not None and int(cfg.vocab_chunk) < vocab:
-        raise ValueError(f"method.loss.vocab_chunk={cfg.vocab_chunk} with kind='topk_kl' and a vocabulary of {vocab} "
-                         f"tokens; allowed: null or >= {vocab} (topk_kl takes the whole vocabulary per token chunk; "
-                         f"bound its memory with method.loss.chunk_tokens)")
 
 
 def lm_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,

@@ -30,7 +30,8 @@ in the student's own proportions. The chunk computes it in closed form, ``q_j p_
 ``exp(log q_j + log p_tail - log q_tail)`` (the ratio alone overflows when the student's tail is tiny).
 
 Memory per token chunk of ``n`` rows: the teacher's ``[n, V]`` logits and one masked copy while its top-k
-and tail are taken, then the student's log-softmax and one more ``[n, V]`` buffer for the gradient.
+and tail are taken, then the student's log-softmax and one more ``[n, V]`` buffer for the gradient; with
+``method.loss.vocab_chunk`` (:func:`topk_sliced`) the same in slices of the vocabulary.
 """
 from __future__ import annotations
 
@@ -104,3 +105,97 @@ def topk_chunk(student: Callable[[], torch.Tensor], teacher: Callable[[], torch.
     if gc is not None:
         g.add_(gc)
     return part, g
+
+
+def _members(idx: torch.Tensor, s: int, e: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(which top-k ids fall in columns [s, e) [n, k], their local column (clamped, safe to gather/scatter),
+    a [n, e - s] bool of the columns that are top-k members)."""
+    inside = (idx >= s) & (idx < e)
+    loc = (idx - s).clamp(0, e - s - 1)
+    # counted, not scattered as bools: ids outside the slice clamp onto a column a member may hold too
+    hit = torch.zeros(idx.shape[0], e - s, dtype=torch.int32, device=idx.device)
+    hit.scatter_add_(-1, loc, inside.to(torch.int32))
+    return inside, loc, hit > 0
+
+
+def topk_sliced(student: Callable[[int, int], torch.Tensor], teacher: Callable[[int, int], torch.Tensor],
+                fold: Optional[Callable[[int, int, torch.Tensor], None]], n: int, vocab: int, vc: int, k: int,
+                labels: Optional[torch.Tensor], wt: torch.Tensor, cfg) -> torch.Tensor:
+    """:func:`topk_chunk` for one token chunk of ``n`` rows without any tensor wider than ``vc`` vocabulary
+    columns (method.loss.vocab_chunk), or ``2 k`` where the running top-k merges with a slice's. ``student(s, e)`` / ``teacher(s, e)`` give the float logits of columns
+    [s, e); ``fold(s, e, dL/dz)`` takes each slice's gradient (None: no gradient). Three passes over the
+    vocabulary: (1) running log-sum-exps of both sides and the teacher's running top-k (a slice's own top-k
+    merged with the best so far); (2) with the top-k set known, the log-sum-exps of both sides outside it and
+    the student's logits on it; (3) each slice's gradient, in the closed form of the module docstring. The
+    student's head runs three times, the teacher's twice. Returns the chunk's weighted loss sum."""
+    tau = float(cfg.temperature)
+    dt = wt.dtype
+    ninf = torch.full((n,), -math.inf, dtype=dt, device=wt.device)
+    ce = cfg.ce_weight != 0
+    if ce and labels is None:
+        raise ValueError("lm_loss: a CE term (ce_weight > 0) needs labels")
+    lse_s, lse_t, lse1 = ninf, ninf, ninf
+    z_lab = torch.zeros(n, dtype=dt, device=wt.device)
+    lab = None if labels is None else labels.clamp_min(0)
+    top_v = top_i = None
+    for s in range(0, vocab, vc):
+        e = min(s + vc, vocab)
+        zs, zt = student(s, e), teacher(s, e)
+        a, b = (zs, zt) if tau == 1.0 else (zs / tau, zt / tau)
+        lse_s = torch.logaddexp(lse_s, torch.logsumexp(a, -1))
+        lse_t = torch.logaddexp(lse_t, torch.logsumexp(b, -1))
+        if ce:
+            lse1 = torch.logaddexp(lse1, torch.logsumexp(zs, -1))
+            inside = (lab >= s) & (lab < e)
+            z_lab = torch.where(inside, zs.gather(-1, (lab - s).clamp(0, e - s - 1).unsqueeze(-1)).squeeze(-1), z_lab)
+        v, i = b.topk(min(k, e - s), dim=-1)
+        if top_v is not None:
+            v, j = torch.cat([top_v, v], -1), torch.cat([top_i, i + s], -1)
+            v, pick = v.topk(min(k, v.shape[-1]), dim=-1)
+            top_v, top_i = v, j.gather(-1, pick)
+        else:
+            top_v, top_i = v, i + s
+    # pass 2: outside the top-k set, both sides; the student's logits on it
+    tail_s, tail_t = ninf, ninf
+    z_top = torch.zeros(top_i.shape, dtype=dt, device=wt.device)
+    for s in range(0, vocab, vc):
+        e = min(s + vc, vocab)
+        zs, zt = student(s, e), teacher(s, e)
+        a, b = (zs, zt) if tau == 1.0 else (zs / tau, zt / tau)
+        inside, loc, member = _members(top_i, s, e)
+        tail_s = torch.logaddexp(tail_s, torch.logsumexp(a.masked_fill(member, -math.inf), -1))
+        tail_t = torch.logaddexp(tail_t, torch.logsumexp(b.masked_fill(member, -math.inf), -1))
+        z_top = torch.where(inside, a.gather(-1, loc), z_top)
+    logp_k, logp_t = top_v - lse_t.unsqueeze(-1), tail_t - lse_t
+    logq_k, logq_t = z_top - lse_s.unsqueeze(-1), tail_s - lse_s
+    p_k, p_t = logp_k.exp(), logp_t.exp()
+    has_tail = p_t > 0
+    div = (p_k * (logp_k - logq_k)).sum(-1) + torch.where(has_tail, p_t * (logp_t - logq_t), torch.zeros_like(p_t))
+    out = (cfg.kd_weight * tau * tau) * div
+    cc = None
+    if ce:
+        ignore = labels == -100
+        out = out + cfg.ce_weight * torch.where(ignore, torch.zeros_like(lse1), lse1 - z_lab)
+        cc = torch.where(ignore, torch.zeros_like(wt), wt * cfg.ce_weight)
+    total = (out * wt).sum()
+    if fold is None:
+        return total
+    # pass 3: dL/dz slice by slice: a (q - p on S, q (1 - p_tail / q_tail) elsewhere) + cc (softmax - onehot)
+    coef = (wt * (cfg.kd_weight * tau)).unsqueeze(-1)
+    shift = torch.where(has_tail, logp_t - logq_t, torch.full_like(p_t, -math.inf)).unsqueeze(-1)
+    for s in range(0, vocab, vc):
+        e = min(s + vc, vocab)
+        zs = student(s, e)
+        logq = (zs if tau == 1.0 else zs / tau) - lse_s.unsqueeze(-1)
+        spread = (logq + shift).exp()
+        g = logq.exp() - spread
+        inside, loc, _ = _members(top_i, s, e)
+        fix = torch.where(inside, spread.gather(-1, loc) - p_k, torch.zeros_like(p_k))
+        g = g.scatter_add(-1, loc, fix).mul_(coef)
+        if ce:
+            gc = (zs - lse1.unsqueeze(-1)).exp()
+            lin = (lab >= s) & (lab < e)
+            gc = gc.scatter_add(-1, (lab - s).clamp(0, e - s - 1).unsqueeze(-1), -lin.to(dt).unsqueeze(-1))
+            g = g + cc.unsqueeze(-1) * gc
+        fold(s, e, g)
+    return total
