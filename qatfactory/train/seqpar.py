@@ -32,6 +32,7 @@ import torch
 
 from ..distill.losses import counted, lm_loss, lm_metrics
 from ..distill.teachers import head_weight
+from .head_chunks import head_chunks_loss, head_chunks_metrics
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -92,16 +93,18 @@ def shard_batch(b: Dict[str, torch.Tensor], sp_rank: int, sp: int) -> Dict[str, 
 
 
 def _hidden(backbone, head, part):
+    """(the shard's final hidden states, the head weight or None for a head that runs its own forward)."""
     out = backbone(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False)
     h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    w = head_weight(head)
-    return (head(h) if w is None else h), w
+    return h, head_weight(head)
 
 
 def sp_metrics(backbone, head, part: Dict[str, torch.Tensor], teacher, chunk_tokens: int,
                vocab_chunk=None) -> Dict[str, float]:
     """lm_metrics' sums of this rank's shard (the evaluation adds every rank's)."""
     h, w = _hidden(backbone, head, part)
+    if w is None:
+        return head_chunks_metrics(head, h, part["targets"], part["target_mask"], teacher, chunk_tokens)
     return lm_metrics(h, w, part["targets"], part["target_mask"], teacher, chunk_tokens, vocab_chunk=vocab_chunk)
 
 
@@ -115,5 +118,6 @@ def sp_loss(backbone, head, part: Dict[str, torch.Tensor], teacher, cfg, group, 
     mine = local.sum()
     total = mine.detach().clone()
     dist.all_reduce(total, group=group)
-    loss = lm_loss(h, w, lab, m, teacher if cfg.needs_teacher else None, cfg)
+    t = teacher if cfg.needs_teacher else None
+    loss = head_chunks_loss(head, h, lab, m, t, cfg) if w is None else lm_loss(h, w, lab, m, t, cfg)
     return loss * (mine / total.clamp_min(1.0) * sp)

@@ -21,10 +21,13 @@ def test_two_ranks_give_one_ranks_loss_and_gradients(tmp_path):
     assert rcs == [0, 0], logs
     res = json.loads(out.read_text())
     assert res["shard"] == [2, 12]                     # each rank held half of the 24 tokens
-    for kind in KINDS:
+    # a plain head, and an NVFP4-quantized one (its forward runs on loss chunks of the shard)
+    assert sorted(k for k in res if k != "shard") == sorted(p + k for p in ("", "qhead-") for k in KINDS)
+    for kind in (k for k in res if k != "shard"):
         r = res[kind]
         assert abs(r["sp"] - r["ref"]) <= 1e-12 * abs(r["ref"]) and r["ref"] > 0, (kind, r)
         assert abs(r["own"] - r["ref"]) > 1e-6, (kind, r)      # a rank's own share is not the loss: the mean is
+        assert "lm_head.weight" in r["grad_rel"] or "model.embed_tokens.weight" in r["grad_rel"]
         worst = max(r["grad_rel"].values())
         assert worst < 1e-10, (kind, r["grad_rel"])
 
