@@ -61,6 +61,10 @@ def head_weight(head: nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
+def _biased_linear(head: nn.Module) -> bool:
+    return type(head) is nn.Linear and head.bias is not None
+
+
 class HiddenStates(nn.Module):
     """Wraps a causal LM so that forward returns the final hidden states (what DeepSpeed wraps for
     a ZeRO-3 teacher: its hooks then gather the backbone's parameters layer by layer)."""
@@ -75,7 +79,7 @@ class HiddenStates(nn.Module):
         kw = {"attention_mask": attention_mask} if position_ids is None else {"position_ids": position_ids}
         out = self.backbone(input_ids=input_ids, use_cache=False, **kw)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        if head_weight(self.head) is None:
+        if head_weight(self.head) is None and not _biased_linear(self.head):
             return self.head(h)
         return h
 
@@ -122,7 +126,15 @@ class LiveTeacher:
             kw = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
             h = runner(input_ids.to(self.device),
                        None if attention_mask is None else attention_mask.to(self.device), **kw)
-        w = head_weight(self.module.head)
+        head = self.module.head
+        w = head_weight(head)
+        if w is None and _biased_linear(head):
+            # z = h W^T + b as [h, 1] [W, b]^T: the loss then forms the teacher's logits chunk by chunk like a
+            # plain head's, never [tokens, vocabulary] at once
+            with gathered([head.weight, head.bias]):
+                yield LiveTeacherOut(torch.cat([h, h.new_ones(h.shape[:-1] + (1,))], -1),
+                                     torch.cat([head.weight.detach(), head.bias.detach().unsqueeze(-1)], -1))
+            return
         if w is None:
             yield LiveTeacherOut(h, None)
             return

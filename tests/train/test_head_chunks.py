@@ -109,3 +109,23 @@ def test_loss_with_a_non_plain_head_is_chunked_and_equal(head, kind):
     assert ga.keys() == gb.keys() and "lm_head.weight" in ga
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_biased_teacher_head_gives_hidden_states_not_logits():
+    # the live teacher's outputs: [h, 1] and [W, b] instead of [tokens, V] logits; the loss forms them per chunk
+    from qatfactory.distill.teachers import LiveTeacher
+    torch.manual_seed(2)
+    tm = _model("biased")
+    ids, attn, mask = _batch()
+    lt = LiveTeacher(tm, torch.float32)
+    with torch.no_grad():
+        want = tm(input_ids=ids, use_cache=False).logits
+        rows, got = _widest_rows(lambda: _enter(lt.outputs(ids, attn)))
+    assert rows == 0                                        # no tensor of vocabulary width was made
+    assert got.hidden.shape == (B, T, HID + 1) and got.weight.shape == (V, HID + 1)
+    torch.testing.assert_close(got.hidden @ got.weight.t(), want, rtol=1e-5, atol=1e-5)
+
+
+def _enter(cm):
+    with cm as t:
+        return t
