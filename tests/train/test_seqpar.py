@@ -100,3 +100,35 @@ def test_sequence_parallel_refuses_packed_document_masks(tmp_path):
         compose(["train=cpu_tiny", "data=files", f"data.train=[{p}]", "data.seq_len=64", "data.doc_mask=true",
                  "train.sequence_parallel=2"])
     assert compose(["train=cpu_tiny", "train.sequence_parallel=2"]).train.sequence_parallel == 2
+
+
+def test_a_world_that_sequence_parallel_groups_do_not_divide_is_refused(capsys, tmp_path):
+    from qatfactory import exitcodes as X
+    from qatfactory.faces import cli
+    run = tmp_path / "run"
+    capsys.readouterr()
+    rc = cli.main(["train", "train=cpu_tiny", "train.sequence_parallel=2", f"run_dir={run}"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("qatfactory train")]
+    assert rc == X.USAGE and len(lines) == 1, err[-1500:]
+    assert "train.sequence_parallel=2 with 1 ranks; allowed: a divisor of the number of ranks" in lines[0]
+    assert not run.exists()
+
+
+def test_a_cached_teachers_outputs_are_sliced_to_the_shard():
+    import torch
+
+    from qatfactory.distill.losses import TopKTeacherOut
+    from qatfactory.train.student import Teacher
+
+    class Cache:
+        def get(self, ids):
+            lp = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+            return TopKTeacherOut(lp, lp.long())
+
+    ids = torch.arange(16).view(2, 8)
+    b = {"input_ids": ids, "mask": torch.ones(2, 8, dtype=torch.bool), "attn": torch.ones_like(ids),
+         "sample_ids": torch.tensor([0, 1])}
+    part = seqpar.shard_batch(b, 1, 2)
+    with Teacher(None, Cache(), None).batch("train", part, "cpu") as t:
+        assert t.logprobs.shape == (2, 4, 3) and t.logprobs[0, 0, 0].item() == 4 * 3
