@@ -109,3 +109,16 @@ def test_long_recipes_pack_documents_apart(tmp_path):
     for name, n in (("long_32k", 32768), ("long_128k", 131072)):
         d = compose([f"data={name}", f"data.train=[{p}]"]).data
         assert d.seq_len == n and d.pack and d.doc_mask, name
+
+
+def test_the_teacher_cache_of_packed_documents_is_written_with_their_restarts(tmp_path):
+    from qatfactory.distill.teachers import CachedTeacher, precompute_topk
+    p = _docs_file(tmp_path, ["one two three", "four", "five six seven eight", "nine ten"])
+    s = build_samples([str(p)], ByteTokenizer(), DataConfig(train=[str(p)], seq_len=24, doc_mask=True))
+    lt = LiveTeacher(_llama(7), torch.float32)
+    precompute_topk(lt, s, str(tmp_path / "cache"), k=5, batch_size=2)
+    got = CachedTeacher(str(tmp_path / "cache"), expect_fingerprint=s.fingerprint()).get([0])
+    with torch.no_grad(), lt.outputs(s.input_ids[:1], s.attn[:1], s.pos[:1]) as t:
+        want = torch.log_softmax(t.hidden @ t.weight.t(), -1).topk(5, -1)
+    torch.testing.assert_close(got.logprobs, want.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.indices, want.indices)
