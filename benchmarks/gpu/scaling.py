@@ -26,6 +26,10 @@ GPU), peak memory of rank 0's GPU (torch.cuda.max_memory_allocated), and the sca
 the smallest N that ran (1, or 2 where 1 does not fit): strong t(b)*b / (t(N)*N), weak per-GPU tokens/s
 ratio. ``--sp K`` (or ``all``: K = N) runs Ulysses sequence parallelism (``train.sequence_parallel=K``): each
 sequence is spread over K GPUs and the data-parallel degree is N / K, which the global batch is counted in.
+``--method`` / ``--format`` (qad, nvfp4_w4a16) and ``--set KEY=VALUE`` (repeatable: e.g. the live top-k loss
+``method.loss.kind=topk_kl``) change the run; ``--label`` names the arm in the tags and the report (one GPU,
+long sequences: ``--worlds 1 --seq 32768 ...`` gives the step time and peak memory of one length, or the
+out-of-memory that says it does not fit).
 A launch that fails (out of memory, a timeout) is recorded with its reason and the rest go on.
 ``--profile extra`` adds one launch per point under torch.profiler (rank 0, after the warmup steps): the time
 in parameter all-gathers (ZeRO-3's per-module fetch), reduce-scatters and all-reduces per step and per
@@ -142,13 +146,16 @@ def point_overrides(a, mode: str, n: int) -> Optional[List[str]]:
     samples = micro * gas * dp * a.steps
     hw = ["train.precision=fp32", "train.device=cpu", "train.optimizer=adamw_torch"] if a.cpu else \
          ["train.precision=bf16", "train.device=cuda", f"train.optimizer={a.optimizer}"]
-    return model_overrides(a) + hw + [
-        "method=qad", "format=nvfp4_w4a16", "method.teacher=live", "data=synthetic", f"data.synthetic={samples}",
+    arm = [f"method={a.method}", f"format={a.format}"] + \
+        (["method.teacher=live"] if a.method.startswith("qad") else ["method.eval_teacher=false"])
+    return model_overrides(a) + hw + arm + [
+        "data=synthetic", f"data.synthetic={samples}",
         f"data.seq_len={a.seq}", "data.eval_samples=1", f"train.max_steps={a.steps}", f"train.micro_batch={micro}",
         f"train.grad_accum={gas}", f"train.zero_stage={a.zero_stage}", f"train.grad_ckpt={str(not a.cpu).lower()}",
         "train.eval_every=0", "train.eval_samples=1", "train.save_every=0", "train.save_final=false",
         "train.save_student=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
-        "method.calib_samples=1", "train.lr=1e-5"] + ([f"train.sequence_parallel={sp}"] if sp > 1 else [])
+        "method.calib_samples=1", "train.lr=1e-5"] + ([f"train.sequence_parallel={sp}"] if sp > 1 else []) + \
+        list(a.set)
 
 
 def launch(a, tag: str, over: List[str], n: int, profile: bool) -> Dict[str, Any]:
@@ -207,11 +214,12 @@ def run(a) -> int:
                     continue
                 for profile in {"none": [False], "extra": [False, True], "only": [True]}[a.profile]:
                     sp = sp_of(a, n)
-                    tag = f"{a.model}-z{zero}-{mode}-n{n}{f'-sp{sp}' if sp > 1 else ''}{'-profile' if profile else ''}"
+                    tag = f"{a.model}-z{zero}-{mode}-n{n}{f'-sp{sp}' if sp > 1 else ''}{f'-{a.label}' if a.label else ''}" \
+                          f"{'-profile' if profile else ''}"
                     say(f"{tag}: {' '.join(o for o in over if o.startswith(('train.micro', 'train.grad_accum', 'data.seq')))}")
                     rec = launch(a, tag, over, n, profile)
                     rec.update(model=a.model, layers=a.moe_layers or a.layers or MODELS[a.model][1]["num_hidden_layers"],
-                               zero=zero, mode=mode, world=n, seq=a.seq, sp=sp,
+                               zero=zero, mode=mode, world=n, seq=a.seq, sp=sp, label=a.label,
                                micro=int(next(o for o in over if o.startswith("train.micro_batch=")).split("=")[1]),
                                gas=int(next(o for o in over if o.startswith("train.grad_accum=")).split("=")[1]),
                                profiled=profile, device="cpu" if a.cpu else "cuda",
@@ -268,19 +276,20 @@ def report(a) -> int:
     def key(r):
         sp = r.get("sp", 1)
         return r["model"], r["layers"], r["zero"], r["mode"], r["seq"], r["device"], \
-            "all" if sp == r["world"] and sp > 1 else str(sp)
+            "all" if sp == r["world"] and sp > 1 else str(sp), r.get("label", "")
     for k in sorted({key(r) for r in rows}):
-        model, layers, zero, mode, seq, dev, sp = k
+        model, layers, zero, mode, seq, dev, sp, label = k
         sel = [r for r in rows if key(r) == k]
         spt = "" if sp == "1" else (", each sequence over all GPUs (Ulysses)" if sp == "all" else
                                   f", each sequence over {sp} GPUs (Ulysses)")
-        print(f"### {model} ({layers} layers), ZeRO-{zero}, {mode} scaling, {seq} tokens/sequence{spt}, {dev} "
+        print(f"### {model} ({layers} layers){f' {label}' if label else ''}, ZeRO-{zero}, {mode} scaling, "
+              f"{seq} tokens/sequence{spt}, {dev} "
               f"({sel[0].get('date', '?')})\n")
         print("\n".join(_table(sel)) + "\n")
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -302,11 +311,19 @@ def main(argv=None) -> int:
     r.add_argument("--timeout", type=int, default=540, help="seconds per launch")
     r.add_argument("--cpu", action="store_true", help="CPU gloo, fp32 (the smoke test)")
     r.add_argument("--sp", default="1", help="Ulysses sequence-parallel size: an int, or all (= each N)")
+    r.add_argument("--method", default="qad", help="the method recipe (qad; qat with --format bf16: plain SFT)")
+    r.add_argument("--format", default="nvfp4_w4a16", help="the format recipe (bf16: no quantization)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override (repeatable)")
+    r.add_argument("--label", default="", help="the arm's name in tags and tables")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default=os.environ.get("SCALING_WORK", "/tmp/qf-scaling"))
     q = sub.add_parser("report")
     q.add_argument("dirs", nargs="+")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     return run(a) if a.cmd == "run" else report(a)
 
 
