@@ -91,7 +91,7 @@ def test_recipe_files_are_the_groups_of_the_schema():
     (["method=qad", "method.loss.kind=ce"], r"qad distills from a teacher"),
     (["format=nvfp4_w4a16", "quant.weight_format=nvfp5"], r"weight_format='nvfp5' is not a registered format"),
     (["method=qad_lora", "quant.lora.rank=0"], r"needs quant.lora.rank >= 1"),
-    (["data.seq_len=40000"], r"DataConfig.seq_len=40000; allowed: 2..32768"),
+    (["data.seq_len=140000"], r"DataConfig.seq_len=140000; allowed: 2..131072"),
     (["model=local"], r"model.path"),
 ])
 def test_bad_values_fail_by_name(over, msg):

@@ -3,10 +3,12 @@
     python benchmarks/gpu/scaling.py run --model llama8b --zero 3 --worlds 2 4 8 --modes strong weak --out DIR
     python benchmarks/gpu/scaling.py run --model qwen3moe --moe-layers 24 --zero 3 --worlds 8 --profile extra --out DIR
     python benchmarks/gpu/scaling.py report DIR [DIR...] > tables.md
+    python benchmarks/gpu/scaling.py run --model llama1b --zero 3 --worlds 2 4 8 --sp all --seq 131072 --out DIR
     python benchmarks/gpu/scaling.py run --model tiny --cpu ...       # CPU gloo, a tiny shape (the test's smoke)
 
 Models (random weights, synthetic tokens; nothing downloaded):
   llama8b   Llama-3-8B's shape: hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256, untied
+  llama1b   Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192, vocab 128256, tied
   qwen3moe  Qwen3-30B-A3B's shape: hidden 2048, 48 layers (--moe-layers to trim), 32 heads / 4 KV heads
             (head_dim 128), 128 experts of 768, 8 active, vocab 151936, untied; written once as a local HF
             directory (its random weights and a small BPE tokenizer) because the trainer's random-init
@@ -22,7 +24,13 @@ checkpointing, ``--steps`` optimizer steps of which the first ``--warmup`` are n
 Recorded per point from the run's metrics.jsonl (rank 0): median step time, tokens/s (all GPUs and per
 GPU), peak memory of rank 0's GPU (torch.cuda.max_memory_allocated), and the scaling efficiency against
 the smallest N that ran (1, or 2 where 1 does not fit): strong t(b)*b / (t(N)*N), weak per-GPU tokens/s
-ratio. A launch that fails (out of memory, a timeout) is recorded with its reason and the rest go on.
+ratio. ``--sp K`` (or ``all``: K = N) runs Ulysses sequence parallelism (``train.sequence_parallel=K``): each
+sequence is spread over K GPUs and the data-parallel degree is N / K, which the global batch is counted in.
+``--method`` / ``--format`` (qad, nvfp4_w4a16) and ``--set KEY=VALUE`` (repeatable: e.g. the live top-k loss
+``method.loss.kind=topk_kl``) change the run; ``--label`` names the arm in the tags and the report (one GPU,
+long sequences: ``--worlds 1 --seq 32768 ...`` gives the step time and peak memory of one length, or the
+out-of-memory that says it does not fit).
+A launch that fails (out of memory, a timeout) is recorded with its reason and the rest go on.
 ``--profile extra`` adds one launch per point under torch.profiler (rank 0, after the warmup steps): the time
 in parameter all-gathers (ZeRO-3's per-module fetch), reduce-scatters and all-reduces per step and per
 1K tokens, next to the step time; the profiler's table is kept. Not a test: nothing is asserted here.
@@ -54,7 +62,9 @@ QWEN3MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe
 TINY_MOE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                 tie_word_embeddings=False, max_position_embeddings=4096)
-MODELS = {"llama8b": ("llama", LLAMA8B), "tiny": ("llama", TINY), "qwen3moe": ("moe", QWEN3MOE),
+LLAMA1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+MODELS = {"llama8b": ("llama", LLAMA8B), "llama1b": ("llama", LLAMA1B), "tiny": ("llama", TINY), "qwen3moe": ("moe", QWEN3MOE),
           "tiny_moe": ("moe", TINY_MOE)}
 
 
@@ -116,24 +126,36 @@ def model_overrides(a) -> List[str]:
     return [f"model.path={d}", f"model.name={a.model}", f"model.dtype={dtype}"]
 
 
+def sp_of(a, n: int) -> int:
+    """The sequence-parallel size at N GPUs (--sp: an int, or all = N)."""
+    return n if a.sp == "all" else int(a.sp)
+
+
 def point_overrides(a, mode: str, n: int) -> Optional[List[str]]:
+    sp = sp_of(a, n)
+    if n % sp:
+        return None                          # N GPUs do not form groups of sp
+    dp = n // sp                             # the data-parallel degree: sequences in flight
     if mode == "strong":
-        per = a.global_batch // n
-        if per * n != a.global_batch or per % a.micro:
+        per = a.global_batch // dp
+        if per * dp != a.global_batch or per % a.micro:
             return None                      # this N does not divide the global batch
         micro, gas = a.micro, per // a.micro
     else:
         micro, gas = a.micro, a.gas
-    samples = micro * gas * n * a.steps
+    samples = micro * gas * dp * a.steps
     hw = ["train.precision=fp32", "train.device=cpu", "train.optimizer=adamw_torch"] if a.cpu else \
          ["train.precision=bf16", "train.device=cuda", f"train.optimizer={a.optimizer}"]
-    return model_overrides(a) + hw + [
-        "method=qad", "format=nvfp4_w4a16", "method.teacher=live", "data=synthetic", f"data.synthetic={samples}",
+    arm = [f"method={a.method}", f"format={a.format}"] + \
+        (["method.teacher=live"] if a.method.startswith("qad") else ["method.eval_teacher=false"])
+    return model_overrides(a) + hw + arm + [
+        "data=synthetic", f"data.synthetic={samples}",
         f"data.seq_len={a.seq}", "data.eval_samples=1", f"train.max_steps={a.steps}", f"train.micro_batch={micro}",
         f"train.grad_accum={gas}", f"train.zero_stage={a.zero_stage}", f"train.grad_ckpt={str(not a.cpu).lower()}",
         "train.eval_every=0", "train.eval_samples=1", "train.save_every=0", "train.save_final=false",
         "train.save_student=false", "train.progress=false", "train.plots=false", "train.tensorboard=false",
-        "method.calib_samples=1", "train.lr=1e-5"]
+        "method.calib_samples=1", "train.lr=1e-5"] + ([f"train.sequence_parallel={sp}"] if sp > 1 else []) + \
+        list(a.set)
 
 
 def launch(a, tag: str, over: List[str], n: int, profile: bool) -> Dict[str, Any]:
@@ -191,11 +213,13 @@ def run(a) -> int:
                     say(f"skip {mode} N={n}: the global batch {a.global_batch} does not split over {n} x micro {a.micro}")
                     continue
                 for profile in {"none": [False], "extra": [False, True], "only": [True]}[a.profile]:
-                    tag = f"{a.model}-z{zero}-{mode}-n{n}{'-profile' if profile else ''}"
+                    sp = sp_of(a, n)
+                    tag = f"{a.model}-z{zero}-{mode}-n{n}{f'-sp{sp}' if sp > 1 else ''}{f'-{a.label}' if a.label else ''}" \
+                          f"{'-profile' if profile else ''}"
                     say(f"{tag}: {' '.join(o for o in over if o.startswith(('train.micro', 'train.grad_accum', 'data.seq')))}")
                     rec = launch(a, tag, over, n, profile)
                     rec.update(model=a.model, layers=a.moe_layers or a.layers or MODELS[a.model][1]["num_hidden_layers"],
-                               zero=zero, mode=mode, world=n, seq=a.seq,
+                               zero=zero, mode=mode, world=n, seq=a.seq, sp=sp, label=a.label,
                                micro=int(next(o for o in over if o.startswith("train.micro_batch=")).split("=")[1]),
                                gas=int(next(o for o in over if o.startswith("train.grad_accum=")).split("=")[1]),
                                profiled=profile, device="cpu" if a.cpu else "cuda",
@@ -223,7 +247,7 @@ def _table(rows: List[Dict[str, Any]]) -> List[str]:
         comm = (f"{p['per_step_ms'].get('all_gather', 0):.1f} / {p['per_step_ms'].get('reduce_scatter', 0):.1f} / "
                 f"{p['per_step_ms'].get('all_reduce', 0):.1f} of {p['step_ms']:.0f}") if p else \
             (prof[n].get("error", "-") if n in prof else "-")
-        g = r["micro"] * r["gas"] * r["world"]
+        g = r["micro"] * r["gas"] * r["world"] // r.get("sp", 1)
         if "step_ms" not in r:
             lines.append(f"| {n} | {r['micro']} x {r['gas']} | {g} | - | - | - | - | {r.get('error', '?')} | {comm} |")
             continue
@@ -249,17 +273,23 @@ def report(a) -> int:
     for d in a.dirs:
         p = Path(d) / "scaling.jsonl" if Path(d).is_dir() else Path(d)
         rows += [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-    keys = sorted({(r["model"], r["layers"], r["zero"], r["mode"], r["seq"], r["device"]) for r in rows})
-    for k in keys:
-        model, layers, zero, mode, seq, dev = k
-        sel = [r for r in rows if (r["model"], r["layers"], r["zero"], r["mode"], r["seq"], r["device"]) == k]
-        print(f"### {model} ({layers} layers), ZeRO-{zero}, {mode} scaling, {seq} tokens/sequence, {dev} "
+    def key(r):
+        sp = r.get("sp", 1)
+        return r["model"], r["layers"], r["zero"], r["mode"], r["seq"], r["device"], \
+            "all" if sp == r["world"] and sp > 1 else str(sp), r.get("label", "")
+    for k in sorted({key(r) for r in rows}):
+        model, layers, zero, mode, seq, dev, sp, label = k
+        sel = [r for r in rows if key(r) == k]
+        spt = "" if sp == "1" else (", each sequence over all GPUs (Ulysses)" if sp == "all" else
+                                  f", each sequence over {sp} GPUs (Ulysses)")
+        print(f"### {model} ({layers} layers){f' {label}' if label else ''}, ZeRO-{zero}, {mode} scaling, "
+              f"{seq} tokens/sequence{spt}, {dev} "
               f"({sel[0].get('date', '?')})\n")
         print("\n".join(_table(sel)) + "\n")
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -280,11 +310,20 @@ def main(argv=None) -> int:
                    help="extra: one more launch per point under torch.profiler; only: the profiled launch alone")
     r.add_argument("--timeout", type=int, default=540, help="seconds per launch")
     r.add_argument("--cpu", action="store_true", help="CPU gloo, fp32 (the smoke test)")
+    r.add_argument("--sp", default="1", help="Ulysses sequence-parallel size: an int, or all (= each N)")
+    r.add_argument("--method", default="qad", help="the method recipe (qad; qat with --format bf16: plain SFT)")
+    r.add_argument("--format", default="nvfp4_w4a16", help="the format recipe (bf16: no quantization)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override (repeatable)")
+    r.add_argument("--label", default="", help="the arm's name in tags and tables")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default=os.environ.get("SCALING_WORK", "/tmp/qf-scaling"))
     q = sub.add_parser("report")
     q.add_argument("dirs", nargs="+")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     return run(a) if a.cmd == "run" else report(a)
 
 

@@ -11,6 +11,12 @@
 #   bash benchmarks/gpu/scaling.sh llama8b-z3-profile    # torch.profiler: all-gather ms per step at N = 2 8
 #   bash benchmarks/gpu/scaling.sh qwen3moe-z3           # Qwen3-30B-A3B's layer shape, MOE_LAYERS layers (24),
 #                                                        # strong N = 4 8 and the profile at 8
+#   bash benchmarks/gpu/scaling.sh llama8b-sp-32k        # Ulysses sequence parallelism: one 32K-token sequence
+#                                                        # spread over all N = 2 4 8 GPUs (train.sequence_parallel=N)
+#   bash benchmarks/gpu/scaling.sh llama1b-sp-128k       # the same for a 1B shape at 128K tokens per sequence
+#   bash benchmarks/gpu/scaling.sh long-1gpu-llama1b     # one GPU (-x1 kinds too), SEQS="8192 32768 131072": live
+#   bash benchmarks/gpu/scaling.sh long-1gpu-llama8b     # top-4096 QAD and a plain bf16 SFT step at each length
+#                                                        # (step time, peak memory, or the out-of-memory)
 # then here: python benchmarks/gpu/scaling.py report <the calls' scaling/ folders> >> benchmarks/RESULTS.md
 # Results: $OUT/scaling/scaling.jsonl (one record per launch), *.log, *.profile.json, tables.md.
 # Here, on CPU (gloo), a tiny shape of both models, so the script cannot rot (tests/benchmarks/test_bench_scaling.py):
@@ -50,11 +56,29 @@ case $job in
     qwen3moe-z3)
         sc --model qwen3moe --moe-layers "${MOE_LAYERS:-24}" --zero 3 --worlds ${WORLDS:-4 8} --modes strong "${common[@]}"
         sc --model qwen3moe --moe-layers "${MOE_LAYERS:-24}" --zero 3 --worlds 8 --modes strong --profile only "${common[@]}" ;;
-    smoke)      # CPU gloo, fp32, 32-token sequences: both architectures, ZeRO-2 and -3, 1 and 2 ranks, the profile
+    llama8b-sp-32k)     # one sequence per step in flight, spread over every GPU; GLOBAL sequences per step
+        sc --model llama8b --zero 3 --worlds ${WORLDS:-2 4 8} --sp all --modes strong --seq "${SP_SEQ:-32768}" \
+           --global-batch "${SP_GLOBAL:-2}" --gas 1 --steps "${SP_STEPS:-4}" --warmup 1 --timeout "$T" \
+           --out "$OUT/scaling" --work "$WORK" ;;
+    llama1b-sp-128k)
+        sc --model llama1b --zero 3 --worlds ${WORLDS:-2 4 8} --sp all --modes strong --seq "${SP_SEQ:-131072}" \
+           --global-batch "${SP_GLOBAL:-1}" --gas 1 --steps "${SP_STEPS:-4}" --warmup 1 --timeout "$T" \
+           --out "$OUT/scaling" --work "$WORK" ;;
+    long-1gpu-llama1b|long-1gpu-llama8b)
+        m=${job#long-1gpu-}
+        for seq in ${SEQS:-8192 32768 131072}; do
+            one=(--model "$m" --zero 2 --worlds 1 --modes strong --seq "$seq" --global-batch 1 --gas 1
+                 --steps "${SP_STEPS:-4}" --warmup 1 --timeout "$T" --out "$OUT/scaling" --work "$WORK")
+            sc "${one[@]}" --label qad-top4096 --set method.loss.kind=topk_kl --set method.loss.top_k=4096
+            sc "${one[@]}" --label sft-bf16 --method qat --format bf16
+        done ;;
+    smoke)      # CPU gloo, fp32, 32-token sequences: both architectures, ZeRO-2 and -3, 1 and 2 ranks, the profile,
+                # and one sequence over 2 ranks (Ulysses sequence parallelism)
         tiny=(--cpu --seq 32 --global-batch 2 --gas 1 --steps 3 --warmup 1 --timeout "$T" --out "$OUT/scaling" --work "$WORK")
         sc --model tiny --zero 2 --worlds 1 --modes strong "${tiny[@]}"
-        sc --model tiny_moe --zero 3 --worlds 2 --modes strong --profile only "${tiny[@]}" ;;
-    *) echo "usage: $0 llama8b-z3-strong|llama8b-z3-weak|llama8b-z2-strong|llama8b-z2-weak|llama8b-z3-profile|qwen3moe-z3|smoke" >&2
+        sc --model tiny_moe --zero 3 --worlds 2 --modes strong --profile only "${tiny[@]}"
+        sc --model tiny --zero 3 --worlds 2 --sp all --modes strong "${tiny[@]}" ;;
+    *) echo "usage: $0 llama8b-z3-strong|llama8b-z3-weak|llama8b-z2-strong|llama8b-z2-weak|llama8b-z3-profile|qwen3moe-z3|llama8b-sp-32k|llama1b-sp-128k|long-1gpu-llama1b|long-1gpu-llama8b|smoke" >&2
        exit 2 ;;
 esac
 rc=$?

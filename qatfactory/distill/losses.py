@@ -76,7 +76,9 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd", "ce")
+from .topk_kl import teacher_topk, topk_chunk, topk_sliced
+
+LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd", "ce", "topk_kl")
 IGNORE_INDEX = -100
 
 
@@ -93,6 +95,7 @@ class LossConfig:
     vocab_chunk: Optional[int] = None   # vocabulary columns per slice (None: the whole vocabulary);
                                         # memory ~ chunk_tokens * vocab_chunk * 4 * 3, more head matmuls
     fused: bool = True           # forward KL / CE: closed-form logits gradient per chunk (_fused_chunk)
+    top_k: Optional[int] = None  # topk_kl only: the live teacher's tokens per position (distill/topk_kl.py)
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -110,6 +113,13 @@ class LossConfig:
         if self.vocab_chunk is not None and (isinstance(self.vocab_chunk, bool) or int(self.vocab_chunk) < 1):
             raise ValueError(f"LossConfig.vocab_chunk={self.vocab_chunk!r}; allowed: null (whole vocabulary) "
                              f"or an int >= 1")
+        if self.kind == "topk_kl":
+            if self.top_k is None or isinstance(self.top_k, bool) or int(self.top_k) < 1:
+                raise ValueError(f"LossConfig.top_k={self.top_k!r} with kind='topk_kl'; allowed: an int from 1 to "
+                                 f"the vocabulary size (the teacher's tokens per position, e.g. 4096)")
+        elif self.top_k is not None:
+            raise ValueError(f"LossConfig.top_k={self.top_k!r} with kind={self.kind!r}; allowed: null (top_k is "
+                             f"read by kind='topk_kl' only)")
 
     @property
     def needs_teacher(self) -> bool:
@@ -187,7 +197,15 @@ def _token_losses(zs: torch.Tensor, tchunk, labels: Optional[torch.Tensor], cfg:
     """Per-token loss [n] for student logits zs [n, V] (float32)."""
     tau = float(cfg.temperature)
     out = torch.zeros(zs.shape[0], dtype=zs.dtype, device=zs.device)
-    if cfg.kind != "ce" and cfg.kd_weight != 0:
+    if cfg.kind == "topk_kl" and cfg.kd_weight != 0:
+        # the k + 1 bins of distill/topk_kl.py through autograd (fused=False, naive_lm_loss)
+        logp_k, idx, logp_t = teacher_topk(tchunk, int(cfg.top_k), tau)
+        logq = torch.log_softmax(zs / tau, dim=-1)
+        logq_t = torch.logsumexp(logq.scatter(-1, idx, -math.inf), -1)
+        tail = torch.where(logp_t > -math.inf, logp_t.exp() * (logp_t - logq_t), torch.zeros_like(logp_t))
+        div = (logp_k.exp() * (logp_k - logq.gather(-1, idx))).sum(-1) + tail
+        out = out + (cfg.kd_weight * tau * tau) * div
+    elif cfg.kind != "ce" and cfg.kd_weight != 0:
         if isinstance(tchunk, TopKTeacherOut):
             logp = torch.log_softmax(tchunk.logprobs / tau, dim=-1)
             idx = tchunk.indices
@@ -208,13 +226,19 @@ def _token_losses(zs: torch.Tensor, tchunk, labels: Optional[torch.Tensor], cfg:
     return out
 
 
-def _weights(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
-    """Per-token weight: 1/count for counted tokens, 0 elsewhere."""
+def counted(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
+    """Per-token 1 where the token counts in the loss (its mask, and for CE alone a label), else 0."""
     w = torch.ones(n, dtype=dtype, device=device)
     if mask is not None:
         w = w * mask.reshape(-1).to(device=device, dtype=dtype)
     if labels is not None and cfg.ce_coef != 0 and not cfg.needs_teacher:
         w = w * (labels.reshape(-1) != IGNORE_INDEX).to(device=device, dtype=dtype)
+    return w
+
+
+def _weights(n: int, labels, mask, device, cfg: LossConfig, dtype=torch.float32) -> torch.Tensor:
+    """Per-token weight: 1/count for counted tokens, 0 elsewhere."""
+    w = counted(n, labels, mask, device, cfg, dtype)
     return w / w.sum().clamp_min(1.0)
 
 
@@ -488,13 +512,25 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if vc is not None:
                 acc_h = torch.zeros(h[sl].shape, dtype=_acc(h), device=h.device) if need_h else None
                 lab = None if labels is None else labels[sl]
-                total += _vocab_sliced(h[sl], w, _rows(teacher, sl, _acc(h)) if teacher is not None else None,
-                                       lab, wt, cfg, vc, acc_h, grad_w)
+                if cfg.kind == "topk_kl":
+                    hs, tr, dt = h[sl], _rows(teacher, sl, _acc(h)), _acc(h)
+                    total += topk_sliced(
+                        lambda a, e: _slice_logits(hs, w, a, e, dt),
+                        lambda a, e: _slice_logits(tr.hidden, tr.weight, a, e, dt),
+                        (lambda a, e, gz: _fold(hs, w, a, e, gz, acc_h, grad_w)) if need_h or need_w else None,
+                        hs.shape[0], vocab, vc, int(cfg.top_k), lab, wt.to(dt), cfg)
+                else:
+                    total += _vocab_sliced(h[sl], w, _rows(teacher, sl, _acc(h)) if teacher is not None else None,
+                                           lab, wt, cfg, vc, acc_h, grad_w)
                 if need_h:
                     grad_h[sl] = acc_h.to(h.dtype)
                 continue
             lab = None if labels is None else labels[sl]
-            if _fusable(cfg, teacher):
+            if cfg.kind == "topk_kl" and cfg.fused:
+                part, gz = topk_chunk(lambda: _logits(h[sl], w), lambda: _teacher_chunk(teacher, sl, _acc(h)),
+                                      int(cfg.top_k), lab, wt, cfg, need_h or need_w)
+                total += part
+            elif _fusable(cfg, teacher):
                 part, gz = _fused_chunk(lambda: _logits(h[sl], w),
                                         None if teacher is None else lambda: _teacher_chunk(teacher, sl, _acc(h)),
                                         lab, wt, cfg, need_h or need_w)
@@ -528,6 +564,15 @@ class _ChunkedLMLoss(torch.autograd.Function):
         gh = None if grad_h is None else grad_h * g.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * g).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None
+
+
+def check_topk(cfg: LossConfig, vocab: int, cached: bool = False) -> None:
+    """kind='topk_kl' against the vocabulary and the teacher: one line naming the field (ValueError)."""
+    if cached:
+        raise ValueError("method.loss.kind='topk_kl' with a cached teacher; allowed: method.teacher=live (the top-k "
+                         "and the tail mass are taken from the live teacher's full-vocabulary logits each step)")
+    if int(cfg.top_k) > vocab:
+        raise ValueError(f"method.loss.top_k={cfg.top_k} with a vocabulary of {vocab} tokens; allowed: 1..{vocab}")
 
 
 def lm_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
@@ -565,6 +610,8 @@ def lm_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: Option
         if t_a.shape[0] != n:
             raise ValueError(f"lm_loss: teacher holds {t_a.shape[0]} tokens, student {n}")
         vocab = feat if weight is None else weight.shape[0]
+        if cfg.kind == "topk_kl":
+            check_topk(cfg, vocab, isinstance(teacher, TopKTeacherOut))
         if isinstance(teacher, TopKTeacherOut):
             # the vocabulary slices would silently drop an out-of-range index instead of failing
             lo, hi = torch.stack(torch.aminmax(t_b)).tolist() if t_b.numel() else (0, 0)

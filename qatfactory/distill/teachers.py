@@ -61,6 +61,10 @@ def head_weight(head: nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
+def _biased_linear(head: nn.Module) -> bool:
+    return type(head) is nn.Linear and head.bias is not None
+
+
 class HiddenStates(nn.Module):
     """Wraps a causal LM so that forward returns the final hidden states (what DeepSpeed wraps for
     a ZeRO-3 teacher: its hooks then gather the backbone's parameters layer by layer)."""
@@ -69,10 +73,13 @@ class HiddenStates(nn.Module):
         super().__init__()
         self.backbone, self.head = split_causal_lm(lm)
 
-    def forward(self, input_ids, attention_mask=None):
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        # packed documents: their position ids and no 2-D mask, from which transformers builds the block-diagonal
+        # causal mask (as the student's forward does, train/student.py backbone_kwargs)
+        kw = {"attention_mask": attention_mask} if position_ids is None else {"position_ids": position_ids}
+        out = self.backbone(input_ids=input_ids, use_cache=False, **kw)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        if head_weight(self.head) is None:
+        if head_weight(self.head) is None and not _biased_linear(self.head):
             return self.head(h)
         return h
 
@@ -111,13 +118,23 @@ class LiveTeacher:
             self.module.to(device=device, dtype=dtype)
 
     @contextlib.contextmanager
-    def outputs(self, input_ids, attention_mask=None):
-        """Yield a LiveTeacherOut for the batch; the head weight stays gathered inside the block."""
+    def outputs(self, input_ids, attention_mask=None, position_ids=None):
+        """Yield a LiveTeacherOut for the batch; the head weight stays gathered inside the block.
+        ``position_ids``: packed documents that attend only within themselves."""
         with torch.no_grad():
             runner = self.engine if self.engine is not None else self.module
+            kw = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
             h = runner(input_ids.to(self.device),
-                       None if attention_mask is None else attention_mask.to(self.device))
-        w = head_weight(self.module.head)
+                       None if attention_mask is None else attention_mask.to(self.device), **kw)
+        head = self.module.head
+        w = head_weight(head)
+        if w is None and _biased_linear(head):
+            # z = h W^T + b as [h, 1] [W, b]^T: the loss then forms the teacher's logits chunk by chunk like a
+            # plain head's, never [tokens, vocabulary] at once
+            with gathered([head.weight, head.bias]):
+                yield LiveTeacherOut(torch.cat([h, h.new_ones(h.shape[:-1] + (1,))], -1),
+                                     torch.cat([head.weight.detach(), head.bias.detach().unsqueeze(-1)], -1))
+            return
         if w is None:
             yield LiveTeacherOut(h, None)
             return
@@ -276,7 +293,9 @@ def precompute_topk(teacher: LiveTeacher, samples, out_dir: str, k: int, batch_s
             ix_all = torch.empty(s1 - s0, L, k, dtype=torch.int32)
             for b0 in range(s0, s1, batch_size):
                 b1 = min(s1, b0 + batch_size)
-                with teacher.outputs(samples.input_ids[b0:b1], samples.attn[b0:b1]) as t:
+                pos = getattr(samples, "pos", None)
+                with teacher.outputs(samples.input_ids[b0:b1], samples.attn[b0:b1],
+                                     None if pos is None else pos[b0:b1]) as t:
                     h = t.hidden.reshape(-1, t.hidden.shape[-1])
                     rows_lp, rows_ix = [], []
                     for c in range(0, h.shape[0], chunk_tokens):

@@ -22,6 +22,8 @@ from typing import Any, List, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from .._inputs import read_json
+from ..distill.losses import check_topk
 from ..exitcodes import BadInputError, UsageError
 from ..formats import get_format, list_formats
 from ..formats.layouts import ENGINE_CONTAINER, ENGINE_FLAVOURS, FLAVOUR_ALIASES
@@ -97,6 +99,25 @@ def check_data_source(cfg) -> None:
                          f"random tokens without data.train")
 
 
+def check_sequence_parallel(cfg, method, default_loss: bool) -> None:
+    """train.sequence_parallel against the data and the method (the world size is checked once it exists);
+    ``default_loss``: the method keeps the trainer's loss (Method.loss)."""
+    sp = cfg.train.sequence_parallel
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"train.sequence_parallel={sp!r}; allowed: an int >= 1 (1: off)")
+    if sp == 1:
+        return
+    if cfg.data.seq_len % sp:
+        raise ValueError(f"train.sequence_parallel={sp} with data.seq_len={cfg.data.seq_len}; allowed: a seq_len that "
+                         f"splits into {sp} equal shards")
+    if cfg.data.doc_mask:
+        raise ValueError(f"train.sequence_parallel={sp} with data.doc_mask=true; allowed: doc_mask=false (Ulysses "
+                         f"attention drops the mask, so packed documents would attend across each other)")
+    if method.needs.rollouts or not default_loss:
+        raise ValueError(f"train.sequence_parallel={sp} with method={cfg.method.name}; allowed: 1 for this method (the "
+                         f"sequence-parallel loss is the distillation / CE loss of the trainer's own student module)")
+
+
 def check_inputs(cfg, method, asked_synthetic: bool) -> None:
     """The files the settings name exist, and a trained model reads real text (see the module docstring)."""
     m = cfg.model
@@ -110,6 +131,12 @@ def check_inputs(cfg, method, asked_synthetic: bool) -> None:
             if not Path(p).exists():
                 raise UsageError(f"{fld}: {p} does not exist; allowed: existing files or directories (.txt, .jsonl, "
                                  f"a saved datasets directory)")
+    if cfg.method.loss.kind == "topk_kl" and m.path is not None and (Path(m.path) / "config.json").is_file():
+        # the vocabulary of a model folder, for method.loss.top_k's range (a config.json without a top-level
+        # vocab_size is checked when the loss first runs)
+        vocab = read_json(Path(m.path) / "config.json", want=dict).get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1:
+            check_topk(cfg.method.loss, vocab)
     trained = m.path is not None or m.asset is not None
     if trained and cfg.data.synthetic and not asked_synthetic and not method.needs.rollouts:
         raise UsageError(f"data.synthetic={cfg.data.synthetic} (the default data group: random tokens) with "

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .._recipes import recipes_dir
-from ..distill.losses import LossConfig
+from ..distill.losses import LossConfig, check_topk
 from ..exitcodes import BadInputError, UsageError
 from ..kernels import NVFP4_KERNELS
 from ..nn.weight_cache import BATCH_MODES as WEIGHT_CACHE_BATCH
@@ -175,6 +175,8 @@ class TrainConfig:
     weight_cache_batch: str = "auto"
     lowbit_batch: bool = True
     nvfp4_kernel: str = "auto"
+    # Ulysses sequence parallelism (train/seqpar.py): one sequence spread over this many ranks (1: off)
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -331,11 +333,19 @@ def validate(cfg: RunConfig) -> RunConfig:
     if m.topk < 1:
         raise ValueError(f"method.topk={m.topk!r}; allowed: an int >= 1")
     method.validate(cfg)
+    if cfg.data.doc_mask and method.needs.rollouts:
+        raise ValueError(f"data.doc_mask=true with method={m.name}: its samples are prompts it completes, not packed "
+                         f"documents; allowed: false")
+    CC.check_sequence_parallel(cfg, method, type(method).loss is M.Method.loss)
+    if m.loss.kind == "topk_kl" and m.teacher == "cached":
+        check_topk(m.loss, 0, cached=True)
     if cfg.model.path is None and cfg.model.asset is None:
         if cfg.model.name not in TINY_NAMES:
             raise ValueError(f"model.path is null for model.name={cfg.model.name!r}; give a local model directory "
                              f"(model.path=/path/to/hf_dir), or a random model: model={list(TINY_NAMES)}")
         check_tiny(cfg.model.tiny, TINY_NAMES[cfg.model.name], cfg.model.name)
+        if m.loss.kind == "topk_kl":
+            check_topk(m.loss, int(cfg.model.tiny.vocab_size))
         if cfg.model.tokenizer is None and cfg.model.tiny.vocab_size < ByteTokenizer.vocab_size:
             raise ValueError(f"model.tiny.vocab_size={cfg.model.tiny.vocab_size}, smaller than the byte tokenizer's "
                              f"{ByteTokenizer.vocab_size} tokens; allowed: >= {ByteTokenizer.vocab_size} (its ids "

@@ -8,8 +8,12 @@ deterministic, resumable order.
 * a directory written by ``datasets.Dataset.save_to_disk`` (needs the ``datasets`` package).
 
 Samples are ``seq_len`` tokens. With ``pack`` (default) documents are joined, each followed by EOS,
-and cut into consecutive samples (attention runs across document boundaries, as in most pretraining
-packers; the tail shorter than a sample is dropped). Without ``pack`` each document is truncated or
+and cut into consecutive samples (the tail shorter than a sample is dropped). Attention runs across
+document boundaries, as in most pretraining packers, unless ``doc_mask``: each sample then carries
+``position_ids`` that restart at 0 at every document start (and at the sample start), and the trainer
+runs the model with them and no 2-D attention mask, which Hugging Face models (transformers 5) turn into a
+block-diagonal causal mask (sdpa / eager / flex) or varlen flash attention: no token attends across a
+boundary. Without ``pack`` each document is truncated or
 right-padded to ``seq_len`` (padding masked out of attention and loss).
 
 ``mask[t]`` says whether token ``t`` is a target: the loss at position ``t-1`` predicts it.
@@ -30,7 +34,7 @@ import torch
 from .._inputs import loads
 from ..exitcodes import BadInputError
 
-MAX_SEQ_LEN = 32768
+MAX_SEQ_LEN = 131072
 
 
 @dataclass
@@ -51,6 +55,8 @@ class DataConfig:
     # uniform: ids drawn uniformly from the vocabulary minus the tokenizer's special tokens (the QAD
     # report's random-token data). With data.eval files the held-out set is that real text.
     synthetic_kind: str = "structured"
+    # packed documents attend only within themselves (position ids restart per document; see above)
+    doc_mask: bool = False
 
     def __post_init__(self):
         self.train, self.eval = list(self.train), list(self.eval)
@@ -60,6 +66,14 @@ class DataConfig:
             raise ValueError(f"DataConfig.text_split={self.text_split!r}; allowed: ['file', 'lines']")
         if self.synthetic_kind not in ("structured", "uniform"):
             raise ValueError(f"DataConfig.synthetic_kind={self.synthetic_kind!r}; allowed: ['structured', 'uniform']")
+        if not isinstance(self.doc_mask, bool):
+            raise ValueError(f"DataConfig.doc_mask={self.doc_mask!r}; allowed: true or false")
+        if self.doc_mask and self.synthetic:
+            raise ValueError(f"DataConfig.doc_mask=true with synthetic={self.synthetic}; allowed: doc_mask with text "
+                             f"files (random-token samples hold no documents)")
+        if self.doc_mask and not self.pack:
+            raise ValueError("DataConfig.doc_mask=true with pack=false; allowed: doc_mask with pack=true (unpacked "
+                             "samples hold one document each)")
         if self.eval_samples < 0 or self.synthetic < 0:
             raise ValueError(f"DataConfig eval_samples={self.eval_samples!r}, synthetic={self.synthetic!r}; "
                              f"allowed: ints >= 0")
@@ -188,26 +202,33 @@ def _tokenize_record(rec: dict, tok, cfg: DataConfig, where: str) -> Tuple[List[
 
 @dataclass
 class Samples:
-    """Fixed-length samples: ``input_ids``, ``mask`` (target counts), ``attn`` (attention), [N, L]."""
+    """Fixed-length samples: ``input_ids``, ``mask`` (target counts), ``attn`` (attention), [N, L];
+    ``pos``: position ids restarting at each packed document (``doc_mask``), or None."""
 
     input_ids: torch.Tensor
     mask: torch.Tensor
     attn: torch.Tensor
+    pos: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, idx) -> Dict[str, torch.Tensor]:
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return {"input_ids": self.input_ids[idx], "mask": self.mask[idx], "attn": self.attn[idx],
-                "sample_ids": idx}
+        out = {"input_ids": self.input_ids[idx], "mask": self.mask[idx], "attn": self.attn[idx], "sample_ids": idx}
+        if self.pos is not None:
+            out["position_ids"] = self.pos[idx]
+        return out
 
     def slice(self, a: int, b: int) -> "Samples":
-        return Samples(self.input_ids[a:b], self.mask[a:b], self.attn[a:b])
+        return Samples(self.input_ids[a:b], self.mask[a:b], self.attn[a:b],
+                       None if self.pos is None else self.pos[a:b])
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.input_ids.numpy().tobytes())
         h.update(self.mask.numpy().tobytes())
+        if self.pos is not None:         # the teacher sees other attention: a cache of it is another cache
+            h.update(self.pos.numpy().tobytes())
         return h.hexdigest()[:16]
 
 
@@ -225,17 +246,24 @@ def build_samples(paths: Sequence[str], tok, cfg: DataConfig) -> Samples:
         raise ValueError(f"data: no documents found in {list(paths)}")
     if cfg.pack:
         eos = _eos(tok)
-        flat, fmask = [], []
+        flat, fmask, fpos = [], [], []
         for ids, m in docs:
             flat += ids + [eos]
             fmask += m + [m[-1]]      # EOS after a trained span is a target too
+            fpos += range(len(ids) + 1)
         n = len(flat) // L
         if n == 0:
             raise ValueError(f"data: {len(flat)} tokens in {list(paths)} do not fill one sample of "
                              f"seq_len={L}; lower data.seq_len or add text")
         ids = torch.tensor(flat[: n * L], dtype=torch.long).view(n, L)
         mask = torch.tensor(fmask[: n * L], dtype=torch.bool).view(n, L)
-        return Samples(ids, mask, torch.ones(n, L, dtype=torch.long))
+        pos = None
+        if cfg.doc_mask:
+            pos = torch.tensor(fpos[: n * L], dtype=torch.long).view(n, L)
+            # a document cut by the sample boundary continues from position 0, as an unpacked one would start
+            first = pos[:, :1].clone()
+            pos = torch.where(torch.cumsum((pos == 0).long(), 1) == 0, pos - first, pos)
+        return Samples(ids, mask, torch.ones(n, L, dtype=torch.long), pos)
     pad = getattr(tok, "pad_token_id", None)
     pad = _eos(tok) if pad is None else int(pad)
     ids = torch.full((len(docs), L), pad, dtype=torch.long)

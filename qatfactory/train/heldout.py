@@ -108,7 +108,7 @@ class HeldOut:
         lt = LiveTeacher(teacher_model, dtype, self.device)
         t0, n = time.time(), 0
         for _, b in self.batches():
-            with lt.outputs(b["input_ids"], b["attn"]) as t:
+            with lt.outputs(b["input_ids"], b["attn"], b.get("position_ids")) as t:
                 self.teacher_h.append(t.hidden.detach().clone())
                 if self.teacher_w is None and t.weight is not None:
                     self.teacher_w = t.weight.detach().clone()

@@ -35,6 +35,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _fsutil
+from ..exitcodes import UsageError
 from . import checkpoint as ckpt
 from . import levers, rundir, runlock
 from . import runtime as R
@@ -65,6 +66,9 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> 
     device = R.resolve_device(t.device)
     R.init_distributed(device)
     rank, world = R.rank_world()
+    if world % t.sequence_parallel:
+        raise UsageError(f"train.sequence_parallel={t.sequence_parallel} with {world} ranks; allowed: a divisor of "
+                         f"the number of ranks")
     method.preflight(cfg, world)
     dev = R.local_device(device)
     R.seed_all(t.seed)
@@ -92,9 +96,19 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> 
     ctx.teacher = load_teacher(cfg, tkind, teacher_init, ctx.train_data, ctx.eval_data, run_dir, rank, device,
                                dev, vocab, eval_only)
     teacher_init = None
+    sp_group = None
+    if t.sequence_parallel > 1:
+        # after calibration and the teacher cache's precompute, which run whole sequences on every rank
+        from . import seqpar  # noqa: PLC0415 (deepspeed's sequence parallelism, only when asked)
+        sp_group, ctx.sp_rank = seqpar.enable(model, t.sequence_parallel, t.micro_batch)
+        ctx.sp = t.sequence_parallel
+        ctx.say(f"sequence parallel (Ulysses): {ctx.sp} ranks per sequence, {cfg.data.seq_len // ctx.sp} tokens each, "
+                f"data-parallel degree {ctx.dp_world}")
 
     # -- DeepSpeed
     module = method.module(ctx)
+    if sp_group is not None:
+        module.seq_parallel = (sp_group, ctx.sp)
     if t.zero_stage == 3:
         hw = module.head_param() if hasattr(module, "head_param") else None
         if hw is not None:
@@ -160,7 +174,9 @@ def _run(cfg: RunConfig, method: Method, eval_only: bool, lv: levers.Levers) -> 
         return engine(*args, **kw)
 
     def forward(b, tout):
-        return call(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout)
+        # packed documents (position ids); a sequence-parallel shard (its targets, taken before the cut)
+        kw = {k: b[k].to(dev) for k in ("position_ids", "targets", "target_mask") if k in b}
+        return call(b["input_ids"].to(dev), b["attn"].to(dev), b["mask"].to(dev), tout, **kw)
 
     def teacher_outputs(split, b):
         return ctx.teacher.batch(split, b, dev) if ctx.teacher is not None else contextlib.nullcontext()

@@ -23,7 +23,18 @@ from ..distill.teachers import (
     split_causal_lm,
     weights_sha256,
 )
+from .head_chunks import head_chunks_loss, head_chunks_metrics
 from .runtime import barrier, ds_config, load_teacher_model
+
+
+def backbone_kwargs(attn, position_ids) -> Dict[str, Optional[torch.Tensor]]:
+    """The attention arguments of a decoder forward: the 2-D mask, or for packed documents (data.doc_mask) their
+    position ids and no mask: transformers then builds a block-diagonal causal mask from the restarts (it reads
+    position ids for packing only when the 2-D mask is None), so no token attends across a document boundary.
+    Packed samples have no padding, so the mask dropped is all ones."""
+    if position_ids is None:
+        return {"attention_mask": attn}
+    return {"attention_mask": None, "position_ids": position_ids}
 
 
 class StudentLM(nn.Module):
@@ -39,17 +50,23 @@ class StudentLM(nn.Module):
         object.__setattr__(self, "_backbone", backbone)
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_pos", None)      # the position ids of the forward in progress (packed documents)
+        # (process group, size) of Ulysses sequence parallelism (train/seqpar.py), set by the trainer
+        object.__setattr__(self, "seq_parallel", None)
 
     def head_param(self):
         return head_weight(self._head)
 
-    def shifted(self, input_ids, attn, mask, teacher=None):
+    def shifted(self, input_ids, attn, mask, teacher=None, apply_head: bool = True, position_ids=None):
         """(hidden [B, T-1, H] or logits when the head is not a plain linear, head weight or None,
-        next-token labels, the mask of counted targets, the teacher's outputs at the same positions)."""
-        out = self._backbone(input_ids=input_ids, attention_mask=attn, use_cache=False)
+        next-token labels, the mask of counted targets, the teacher's outputs at the same positions).
+        ``apply_head=False``: hidden states whatever the head (the caller runs a non-plain head itself).
+        ``position_ids`` (default: the ones given to forward): packed documents, see :func:`backbone_kwargs`."""
+        pos = self._pos if position_ids is None else position_ids
+        out = self._backbone(input_ids=input_ids, use_cache=False, **backbone_kwargs(attn, pos))
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         w = head_weight(self._head)
-        if w is None:                       # a quantized / biased head: its own forward, then the loss on logits
+        if w is None and apply_head:        # a quantized / biased head: its own forward, then the loss on logits
             h = self._head(h)
         h = h[:, :-1]
         labels = input_ids[:, 1:]
@@ -60,10 +77,33 @@ class StudentLM(nn.Module):
             teacher = LiveTeacherOut(teacher.hidden[:, :-1], teacher.weight)
         return h, w, labels, m, teacher
 
-    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False):
+    def forward(self, input_ids, attn, mask, teacher=None, metrics: bool = False, position_ids=None,
+                targets=None, target_mask=None):
+        if targets is not None:
+            # a sequence-parallel shard (train/seqpar.py): targets were taken before the sequence was cut
+            from . import seqpar  # noqa: PLC0415 (deepspeed's sequence parallelism, only when asked)
+            part = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets,
+                    "target_mask": target_mask}
+            if metrics:
+                s = seqpar.sp_metrics(self._backbone, self._head, part, teacher, self.loss_cfg.chunk_tokens,
+                                      self.loss_cfg.vocab_chunk)
+                return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
+                                    device=input_ids.device)
+            group, sp = self.seq_parallel
+            return seqpar.sp_loss(self._backbone, self._head, part, teacher, self.loss_cfg, group, sp)
+        object.__setattr__(self, "_pos", position_ids)
+        try:
+            return self._forward(input_ids, attn, mask, teacher, metrics)
+        finally:
+            object.__setattr__(self, "_pos", None)
+
+    def _forward(self, input_ids, attn, mask, teacher, metrics: bool):
         if metrics:
-            h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher)
-            s = lm_metrics(h, w, labels, m, t, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
+            h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher, apply_head=False)
+            if w is None:
+                s = head_chunks_metrics(self._head, h, labels, m, t, self.loss_cfg.chunk_tokens)
+            else:
+                s = lm_metrics(h, w, labels, m, t, self.loss_cfg.chunk_tokens, vocab_chunk=self.loss_cfg.vocab_chunk)
             return torch.tensor([s["tokens"], s["kl_sum"], s["ce_sum"], s["agree_sum"]], dtype=torch.float64,
                                 device=input_ids.device)
         if self._method is None:
@@ -73,8 +113,11 @@ class StudentLM(nn.Module):
     def default_loss(self, input_ids, attn, mask, teacher):
         """The chunked loss of ``loss_cfg`` over the next-token targets (the teacher only when the
         loss reads one): what a method's loss is unless it says otherwise."""
-        h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher)
-        return lm_loss(h, w, labels, m, t if self.loss_cfg.needs_teacher else None, self.loss_cfg)
+        h, w, labels, m, t = self.shifted(input_ids, attn, mask, teacher, apply_head=False)
+        t = t if self.loss_cfg.needs_teacher else None
+        if w is None:
+            return head_chunks_loss(self._head, h, labels, m, t, self.loss_cfg)
+        return lm_loss(h, w, labels, m, t, self.loss_cfg)
 
 
 class Teacher:
@@ -90,17 +133,28 @@ class Teacher:
 
     def batch(self, split: str, batch: Dict[str, torch.Tensor], device):
         if self.live is not None:
-            return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device))
+            pos = batch.get("position_ids")
+            return self.live.outputs(batch["input_ids"].to(device), batch["attn"].to(device),
+                                     None if pos is None else pos.to(device))
         t = self.caches[split].get(batch["sample_ids"])
-        return contextlib.nullcontext(TopKTeacherOut(t.logprobs.to(device), t.indices.to(device)))
+        lp, ix = t.logprobs, t.indices
+        if "shard" in batch:                 # a sequence-parallel shard: the cache holds whole sequences
+            a, e = batch["shard"].tolist()
+            lp, ix = lp[:, a:e], ix[:, a:e]
+        return contextlib.nullcontext(TopKTeacherOut(lp.to(device), ix.to(device)))
 
 
-def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world: int, device) -> Dict[str, float]:
+def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world: int, device,
+             sp=(0, 1)) -> Dict[str, float]:
     """KL to the teacher, CE, perplexity and top-1 agreement over the first ``n`` held-out samples
     (all ranks). ``model``: a StudentLM, or the DeepSpeed engine wrapping one; ``teacher``: an
     object with ``batch(split, batch, device)`` (a context manager of the teacher's outputs) and
-    ``has_eval``, or None."""
+    ``has_eval``, or None. ``sp``: (this rank's index in its sequence-parallel group, the group's size): the
+    group's ranks read the same samples, each its shard (train/seqpar.py)."""
     mb = micro_batch
+    sp_rank, sp_size = sp
+    all_ranks = world
+    rank, world = rank // sp_size, world // sp_size          # the data-parallel split of the samples
     sums = torch.zeros(4, dtype=torch.float64)
     mod = getattr(model, "module", model)
     was_training = mod.training
@@ -114,14 +168,22 @@ def evaluate(model, samples, teacher, n: int, micro_batch: int, rank: int, world
             real = bool(idx)
             if not real:
                 idx = [0]
-            b = samples.select(idx)
+            pad = mb - len(idx) if sp_size > 1 else 0
+            b = samples.select(idx + idx[:1] * pad)
+            if sp_size > 1:
+                # Ulysses attention is built for micro_batch rows: a short last batch is padded with rows that
+                # count no token
+                b["mask"][len(idx):] = False
+                from .seqpar import shard_batch  # noqa: PLC0415 (only under sequence parallelism)
+                b = shard_batch(b, sp_rank, sp_size)
             with teacher.batch("eval", b, device) if teacher is not None else contextlib.nullcontext() as t:
-                s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True)
+                kw = {k: b[k].to(device) for k in ("position_ids", "targets", "target_mask") if k in b}
+                s = model(b["input_ids"].to(device), b["attn"].to(device), b["mask"].to(device), t, metrics=True, **kw)
             if real:
                 sums += s.cpu()
     if was_training:
         model.train()
-    if world > 1:
+    if all_ranks > 1:
         st = sums.to(device)
         torch.distributed.all_reduce(st)
         sums = st.cpu()

@@ -41,9 +41,17 @@ from ... import _fsutil
 from ... import quantize as Q
 from .. import runtime as R
 from ..data import Order, load_data, rank_batch
+from ..seqpar import shard_batch
 from ..student import StudentLM, eval_count, evaluate
 
 NO_QUANT = ("none",)     # quant.weight_format=none: train the plain model (the bf16 SFT baseline)
+
+
+def _calib_batch(b, dev) -> Dict[str, torch.Tensor]:
+    """A calibration forward's kwargs: packed documents (position ids) attend as in training."""
+    if "position_ids" in b:
+        return {"input_ids": b["input_ids"].to(dev), "position_ids": b["position_ids"].to(dev), "use_cache": False}
+    return {"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
 
 
 def quantized(cfg) -> bool:
@@ -128,6 +136,18 @@ class Context:
     evaluate: Optional[Callable] = None
     reset_optimizer: Optional[Callable] = None
     teacher_outputs: Optional[Callable] = None
+    # Ulysses sequence parallelism (train/seqpar.py): ranks [g sp, (g + 1) sp) share one micro-batch, each
+    # holding a contiguous shard of its sequence; the data-parallel degree is world / sp
+    sp: int = 1
+    sp_rank: int = 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.sp
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
@@ -240,8 +260,7 @@ class Method:
                   flush=True)
         s, dev = ctx.train_data, ctx.device
         n = min(cfg.method.calib_samples, len(s))
-        ctx.calib = [{"input_ids": b["input_ids"].to(dev), "attention_mask": b["attn"].to(dev)}
-                     for b in (s.select([i]) for i in range(n))]
+        ctx.calib = [_calib_batch(s.select([i]), dev) for i in range(n)]
         if cfg.method.calibrate and not ctx.resumed:
             Q.calibrate(ctx.model, ctx.calib, cfg.quant.calib_method)
 
@@ -270,16 +289,16 @@ class Method:
     def tokens_per_step(self, ctx: Context) -> int:
         """Training tokens one loop step reads (all ranks)."""
         t = ctx.cfg.train
-        return t.micro_batch * ctx.world * t.grad_accum * ctx.cfg.data.seq_len
+        return t.micro_batch * ctx.dp_world * t.grad_accum * ctx.cfg.data.seq_len
 
     # ------------------------------------------------------------------ one step
     def micro_batches(self, ctx: Context) -> Iterator[Dict[str, torch.Tensor]]:
         """This rank's micro-batches of one step: train.grad_accum slices of the seeded order."""
         t = ctx.cfg.train
         for _ in range(t.grad_accum):
-            b = rank_batch(ctx.train_data, ctx.order, ctx.position, t.micro_batch, ctx.rank, ctx.world)
-            ctx.position += t.micro_batch * ctx.world
-            yield b
+            b = rank_batch(ctx.train_data, ctx.order, ctx.position, t.micro_batch, ctx.dp_rank, ctx.dp_world)
+            ctx.position += t.micro_batch * ctx.dp_world
+            yield b if ctx.sp == 1 else shard_batch(b, ctx.sp_rank, ctx.sp)
 
     def train_step(self, ctx: Context, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss of one micro-batch (the loop calls backward and the optimizer step). A teacher loaded
@@ -329,7 +348,7 @@ class Method:
         perplexity and top-1 agreement over train.eval_samples held-out samples."""
         t = ctx.cfg.train
         return evaluate(ctx.engine, ctx.eval_data, ctx.teacher, eval_count(ctx.cfg, ctx.eval_data), t.micro_batch,
-                        ctx.rank, ctx.world, ctx.device)
+                        ctx.rank, ctx.world, ctx.device, sp=(ctx.sp_rank, ctx.sp))
 
     # ------------------------------------------------------------------ hooks around the loop (no-ops)
     def lr_restart(self, cfg) -> Tuple[int, float]:
