@@ -18,6 +18,8 @@ KINDS = {
     "llama_tied": ("llama", False, True), "qwen3_tied": ("qwen3", False, True),
     # Gemma 3 text (gemma3_text): tied as every Gemma, (1 + w) norms, sliding-window layers
     "gemma3": ("gemma3", False, True),
+    # Qwen3.5 dense text (qwen3_5_text): Gated DeltaNet layers and gated full attention
+    "qwen3_5": ("qwen3_5", False, False),
 }
 ATTN_Q8 = (("pattern", "*.self_attn.*"), ("weight", "q8_0"))
 MLP_Q5 = (("pattern", "*.mlp.*"), ("weight", "q5_0"))
@@ -120,6 +122,10 @@ CELLS: List[Cell] = [
     Cell(V, CT, "gemma3", "mxfp4"),
     Cell(L, G, "gemma3", "mxfp4"),
     Cell(L, G, "gemma3", "nvfp4_ggml", rules=(MLP_Q5,)),
+    # ---- Qwen3.5 dense (hybrid Gated DeltaNet + gated attention): vLLM both flavours; no GGUF writer yet
+    Cell(V, MO, "qwen3_5", "nvfp4", "nvfp4_act"),
+    Cell(V, CT, "qwen3_5", "nvfp4"),
+    Cell(V, CT, "qwen3_5", "mxfp4"),
 ]
 
 # What proves each flavour (the third-party code the gate runs), for the README
@@ -179,6 +185,7 @@ REFUSED = [
      "1.58/1-bit ParetoQ grids); MXFP4 and int4 in the ModelOpt flavour", "refused with the reason and the alternative"),
     ("llama.cpp", "GGUF", "Gemma 3 with per-tensor-scaled formats (`nvfp4`, ModelOpt numerics)",
      "refused: llama.cpp's gemma3 graph never applies a weight's `.scale`; use `nvfp4_ggml` or MXFP4"),
+    ("llama.cpp", "GGUF", "Qwen3.5 (`qwen35`)", "refused: no GGUF writer for its Gated DeltaNet tensors yet"),
     ("vLLM", "compressed-tensors", "int4 grids whose fp16 scales the model dtype cannot hold (`int4_lsq` in a bf16 "
      "model)", "refused: vLLM loads weight_scale in the model dtype; use `int4_lsq_bf16` / `int4_lsq_g128_bf16`"),
 ]

@@ -218,8 +218,47 @@ def gemma3_student(fmt: str, act=None, rules=(), exclude=()) -> ConvertedModel:
     return cm
 
 
+QWEN3_5 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=128, bos_token_id=1,
+               eos_token_id=2, tie_word_embeddings=False)
+
+
+def qwen3_5_model(seed: int = 0, **over):
+    """A tiny random Qwen3.5 dense text model (qwen3_5_text, Qwen3_5ForCausalLM: three Gated DeltaNet layers then
+    one gated full-attention layer, hidden 64) in bf16, norms away from zero."""
+    import transformers as T
+    torch.manual_seed(seed)
+    model = T.Qwen3_5ForCausalLM._from_config(T.Qwen3_5TextConfig(**dict(QWEN3_5, **over)), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+            elif n.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def qwen3_5_student(fmt: str, act=None) -> ConvertedModel:
+    """qwen3_5_model prepared/calibrated/converted with the real quantize API (cached: read-only)."""
+    key = ("qwen3_5", fmt, act)
+    if key in _CACHE:
+        return _CACHE[key]
+    from qatfactory.quantize import QuantConfig, calibrate, convert, prepare
+    model = qwen3_5_model()
+    prepare(model, QuantConfig(weight_format=fmt, act_format=act))
+    if act:
+        calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
+    cm = convert(model)
+    cm.source_dir = str(source_dir())
+    _CACHE[key] = cm
+    return cm
+
+
 def cell_student(cell) -> ConvertedModel:
     """The student of a matrix cell (qatfactory.exporters.matrix.Cell)."""
+    if cell.kind == "qwen3_5":
+        return qwen3_5_student(cell.fmt, cell.act)
     if cell.kind == "gemma3":
         return gemma3_student(cell.fmt, cell.act, rules=cell.rules, exclude=cell.exclude)
     if cell.kind == "mixtral":
