@@ -617,8 +617,12 @@ def gguf_config(reader, path: Path, names) -> Dict[str, Any]:
         parsed["query_pre_attn_scalar"] = gemma3_query_scalar(n_layer, hidden, n_head,
                                                               int(parsed.get("head_dim") or hidden // n_head))
         swa = field(reader, f"{a}.rope.freq_base_swa")
+        full = {"rope_type": "default", "rope_theta": float(parsed.pop("rope_theta", 10000.0))}
+        kind = field(reader, f"{a}.rope.scaling.type")
+        if kind == "linear":   # llama.cpp scales the full-attention layers' rope only (Gemma 3 4B and up: x8)
+            full.update(rope_type=kind, factor=float(field(reader, f"{a}.rope.scaling.factor")))
         parsed["rope_parameters"] = {
-            "full_attention": {"rope_type": "default", "rope_theta": float(parsed.pop("rope_theta", 10000.0))},
+            "full_attention": full,
             "sliding_attention": {"rope_type": "default", "rope_theta": float(10000.0 if swa is None else swa)}}
         parsed["layer_types"] = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
                                  for i in range(n_layer)]

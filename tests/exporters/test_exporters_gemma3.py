@@ -165,3 +165,24 @@ def test_gemma3_gate_fails_norms_stored_as_llama_does(tmp_path, monkeypatch):
     assert v.verdict == "FAIL"
     bad = {c.tensor for c in v.checks if c.status == "FAIL" and c.check == "dense"}
     assert "model.layers.0.pre_feedforward_layernorm.weight" in bad and "model.norm.weight" in bad
+
+
+def test_gemma3_full_attention_layer_with_scaled_rope_passes_gate(tmp_path):
+    """Six layers: the sixth is llama.cpp's (and transformers') full-attention layer, with the global theta and
+    the x8 linear rope scaling of Gemma 3 4B and up, which llama.cpp applies to the full layers only."""
+    from qatfactory.quantize import QuantConfig, convert, prepare
+    model = gemma3_model(num_hidden_layers=6, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert model.config.layer_types[5] == "full_attention" and model.config.layer_types[4] == "sliding_attention"
+    prepare(model, QuantConfig(weight_format="mxfp4"))
+    cm = convert(model)
+    cm.source_dir = str(source_dir())
+    export(cm, tmp_path / "e", engine="llama_cpp")
+    rd = gguf.GGUFReader(str(tmp_path / "e" / "model.gguf"))
+    assert rd.fields["gemma3.rope.scaling.type"].contents() == "linear"
+    assert rd.fields["gemma3.rope.scaling.factor"].contents() == 8.0
+    v = verify(tmp_path / "e", cm)
+    assert v.verdict == "PASS", v.table()
+    assert {c.check for c in v.checks if c.tensor == "logits" and c.status == "ok"} >= {"llama.cpp runtime",
+                                                                                      "transformers GGUF loader"}
