@@ -186,3 +186,42 @@ def test_gemma3_full_attention_layer_with_scaled_rope_passes_gate(tmp_path):
     assert v.verdict == "PASS", v.table()
     assert {c.check for c in v.checks if c.tensor == "logits" and c.status == "ok"} >= {"llama.cpp runtime",
                                                                                       "transformers GGUF loader"}
+
+
+def test_gemma3_qad_steps_reach_every_projection_and_still_export(tmp_path):
+    """Distillation steps on the fake-quantized student (KL to its frozen copy): gradients reach every quantized
+    projection and the extra norms, the loss falls, and the trained student still exports to llama.cpp and
+    passes the gate with llama.cpp's runtime."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from qatfactory.quantize import QuantConfig, convert, prepare
+    teacher = gemma3_model().float().eval()
+    student = copy.deepcopy(teacher)
+    prepare(student, QuantConfig(weight_format="mxfp4"))
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=2e-4)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        t_logp = F.log_softmax(teacher(ids).logits, -1)
+    losses = []
+    for step in range(6):
+        loss = F.kl_div(F.log_softmax(student(ids).logits, -1), t_logp, log_target=True, reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad for n, p in student.named_parameters() if p.requires_grad}
+            for n in [f"model.layers.1.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
+                     [f"model.layers.1.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")] + \
+                     [f"model.layers.1.{n}.weight" for n in NORMS]:
+                assert grads.get(n) is not None and bool(grads[n].abs().sum() > 0), n
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    student.to(torch.bfloat16)
+    cm = convert(student)
+    cm.source_dir = str(source_dir())
+    export(cm, tmp_path / "e", engine="llama_cpp")
+    v = verify(tmp_path / "e", cm)
+    assert v.verdict == "PASS", v.table()
