@@ -213,12 +213,13 @@ def is_router(module: str) -> bool:
 
 
 def standard_fused_groups(modules: Iterable[str]) -> List[List[str]]:
-    """The groups vLLM/SGLang fuse at load: q/k/v, gate/up, per-expert gate/up (w1/w3)."""
+    """The groups vLLM/SGLang fuse at load: q/k/v, gate/up, per-expert gate/up (w1/w3), Qwen3.5's Gated DeltaNet
+    in_proj_qkv + in_proj_z (vLLM's in_proj_qkvz)."""
     mods = set(modules)
     groups = []
     for m in sorted(mods):
         for first, rest in ((".q_proj", (".k_proj", ".v_proj")), (".gate_proj", (".up_proj",)),
-                            (".w1", (".w3",))):
+                            (".w1", (".w3",)), (".in_proj_qkv", (".in_proj_z",))):
             if m.endswith(first) and (first != ".w1" or ".experts." in m):
                 stem = m[: -len(first)]
                 g = [m] + [stem + r for r in rest if stem + r in mods]

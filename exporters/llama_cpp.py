@@ -54,6 +54,7 @@ from qatfactory.formats.layouts import (
     GGUFLayout,
 )
 
+from . import gguf_families as FAM  # per-family names, stored values, hyperparameters, refusals
 from . import kv as KV  # the cache type the student was trained for
 from .base import (
     Exporter,
@@ -85,6 +86,7 @@ ARCHS = {
     "qwen2": ("qwen2", False, "qwen2"),
     "qwen3": ("qwen3", False, "qwen2"),
     "qwen3_moe": ("qwen3moe", False, "qwen2"),
+    "gemma3_text": ("gemma3", False, "default"),
 }
 
 _LAYER_MAP = [
@@ -114,7 +116,7 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> Tuple[str, Optional[int]]:
+def gguf_name(hf_name: str, model_type: Optional[str] = None) -> Tuple[str, Optional[int]]:
     """(GGUF tensor name, expert index or None) for an HF on-disk name; ExportError if unknown."""
     if hf_name in _TOP:
         return _TOP[hf_name], None
@@ -126,10 +128,11 @@ def gguf_name(hf_name: str) -> Tuple[str, Optional[int]]:
         return f"blk.{m.group(1)}.{_EXPERT_PROJ[proj]}.weight", int(m.group(2))
     m = _LAYER_RE.match(hf_name)
     if m:
-        for pat, rep in _LAYER_MAP:
+        for pat, rep in FAM.layer_names(model_type) + _LAYER_MAP:
             if re.fullmatch(pat, m.group(2)):
                 return f"blk.{m.group(1)}." + re.sub(pat, rep, m.group(2)), None
-    raise ExportError(f"{hf_name}: no GGUF tensor name known for it (llama/qwen2/qwen3/qwen3moe/mixtral layouts)")
+    raise ExportError(f"{hf_name}: no GGUF tensor name known for it (llama/qwen2/qwen3/qwen3moe/mixtral/gemma3 "
+                      f"layouts)")
 
 
 def permute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
@@ -247,7 +250,7 @@ def packed_to_gguf(name: str, p: PackedTensor) -> Tuple[np.ndarray, int, Optiona
 
 # ------------------------------------------------------------------------------ exporter
 def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    rp = dict(cfg.get("rope_parameters") or {})
+    rp = FAM.rope_by_layer_type(cfg, "full_attention")   # the global layers' (Gemma 3 nests them by type)
     rs = cfg.get("rope_scaling") or {}
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
@@ -268,13 +271,22 @@ class LlamaCppExporter(Exporter):
         if rope["type"] not in ("default", "linear", "yarn"):
             raise NotImplementedError(f"llama_cpp exporter: rope type {rope['type']!r} is not supported "
                                       f"(default, linear, yarn)")
+        bad = FAM.problems(converted.config)
+        if bad:
+            raise NotImplementedError(f"llama_cpp exporter: {mt} student that llama.cpp would run differently: "
+                                      + "; ".join(bad))
         for name in list(converted.packed) + list(converted.dense):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if not _FUSED_EXPERT_RE.match(name):
-                gguf_name(name)
+                gguf_name(name, mt)
+        scaled = []
         for name, p in converted.packed.items():  # refuse before anything is written
-            gguf_layout(name, p)
+            if gguf_layout(name, p)[2] is not None:
+                scaled.append(name)
+        why = FAM.scale_problem(mt, sorted(scaled))
+        if why:
+            raise NotImplementedError(f"llama_cpp exporter: {why}")
         activation_mode(converted)
         tied_duplicates(converted)
         KV.check_kv(converted, "llama_cpp", flavour)   # a llama.cpp cache type, or none
@@ -304,7 +316,7 @@ class LlamaCppExporter(Exporter):
         rope = _rope(cfg)
         w.add_rope_freq_base(rope["theta"])
         w.add_rope_dimension_count(head_dim)
-        if head_dim != hidden // n_head or arch in ("qwen3", "qwen3moe"):
+        if head_dim != hidden // n_head or arch in ("qwen3", "qwen3moe", "gemma3"):
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
         if rope["type"] in ("linear", "yarn"):
@@ -313,6 +325,8 @@ class LlamaCppExporter(Exporter):
             w.add_rope_scaling_factor(float(rope["factor"]))
             if rope["original"]:
                 w.add_rope_scaling_orig_ctx_len(int(rope["original"]))
+        for key, val in FAM.metadata(cfg).items():
+            (w.add_float32 if isinstance(val, float) else w.add_uint32)(f"{arch}.{key}", val)
         vocab_size = int(cfg["vocab_size"])
         w.add_vocab_size(vocab_size)
         n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -351,7 +365,7 @@ class LlamaCppExporter(Exporter):
             return float(act_decode_scale(converted.act_formats[m], converted.input_amax[m]))
 
         for name, p in sorted(converted.packed.items()):
-            gname, e = gguf_name(name)
+            gname, e = gguf_name(name, mt)
             gt, bpr, gs = gguf_layout(name, p)
             type_counts[gt] = type_counts.get(gt, 0) + 1
             file_types.setdefault(gt, spec_of(p).gguf.file_type)
@@ -384,8 +398,12 @@ class LlamaCppExporter(Exporter):
                 else:
                     plan[f"blk.{layer}.ffn_down_exps.weight"] = _dense_plan(t, dense_dtype, False)
                 continue
-            gname, e = gguf_name(name)
+            gname, e = gguf_name(name, mt)
             force32 = t.ndim == 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp" in gname
+            shift = FAM.norm_shift(mt, name)
+            if shift:
+                # (1 + w) in fp32, as Gemma's RMSNorm computes it: llama.cpp multiplies by the stored value
+                t = t.float() + shift
             if e is not None:
                 experts.setdefault(gname, {})[e] = ("dense", t)
                 continue

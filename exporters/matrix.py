@@ -16,6 +16,10 @@ KINDS = {
     "llama": ("llama", False, False), "qwen2": ("qwen2", False, False), "qwen3": ("qwen3", False, False),
     "qwen3_moe": ("qwen3moe", True, False), "mixtral": ("mixtral", True, False),
     "llama_tied": ("llama", False, True), "qwen3_tied": ("qwen3", False, True),
+    # Gemma 3 text (gemma3_text): tied as every Gemma, (1 + w) norms, sliding-window layers
+    "gemma3": ("gemma3", False, True),
+    # Qwen3.5 dense text (qwen3_5_text): Gated DeltaNet layers and gated full attention
+    "qwen3_5": ("qwen3_5", False, False),
 }
 ATTN_Q8 = (("pattern", "*.self_attn.*"), ("weight", "q8_0"))
 MLP_Q5 = (("pattern", "*.mlp.*"), ("weight", "q5_0"))
@@ -111,6 +115,17 @@ CELLS: List[Cell] = [
     Cell(L, G, "llama", "ternary_seq", rules=(MLP_TQ1,)),
     Cell(L, G, "qwen3", "binary_sign", rules=(ATTN_BIN_Q40, MLP_BIN_TQ1)),
     Cell(L, G, "qwen2", "int2_seq_q4_0"),
+    # ---- Gemma 3 (text): vLLM both flavours, llama.cpp's gemma3 (no per-tensor-scale formats: its graph never
+    # applies a .scale, so ModelOpt-numerics nvfp4 is refused for it and nvfp4_ggml stands in)
+    Cell(V, MO, "gemma3", "nvfp4", "nvfp4_act"),
+    Cell(V, CT, "gemma3", "nvfp4"),
+    Cell(V, CT, "gemma3", "mxfp4"),
+    Cell(L, G, "gemma3", "mxfp4"),
+    Cell(L, G, "gemma3", "nvfp4_ggml", rules=(MLP_Q5,)),
+    # ---- Qwen3.5 dense (hybrid Gated DeltaNet + gated attention): vLLM both flavours; no GGUF writer yet
+    Cell(V, MO, "qwen3_5", "nvfp4", "nvfp4_act"),
+    Cell(V, CT, "qwen3_5", "nvfp4"),
+    Cell(V, CT, "qwen3_5", "mxfp4"),
 ]
 
 # What proves each flavour (the third-party code the gate runs), for the README
@@ -168,6 +183,9 @@ REFUSED = [
      "refused: SGLang has no dense CT-MXFP4 scheme; keep attention bf16 (the cells above) or use NVFP4"),
     ("vLLM, SGLang", "any", "ggml-only formats (`q4_k`, `q5_0`, `q6_k`, `q8_0`, `mxfp4_ggml`, `nvfp4_ggml`, the 3/2/"
      "1.58/1-bit ParetoQ grids); MXFP4 and int4 in the ModelOpt flavour", "refused with the reason and the alternative"),
+    ("llama.cpp", "GGUF", "Gemma 3 with per-tensor-scaled formats (`nvfp4`, ModelOpt numerics)",
+     "refused: llama.cpp's gemma3 graph never applies a weight's `.scale`; use `nvfp4_ggml` or MXFP4"),
+    ("llama.cpp", "GGUF", "Qwen3.5 (`qwen35`)", "refused: no GGUF writer for its Gated DeltaNet tensors yet"),
     ("vLLM", "compressed-tensors", "int4 grids whose fp16 scales the model dtype cannot hold (`int4_lsq` in a bf16 "
      "model)", "refused: vLLM loads weight_scale in the model dtype; use `int4_lsq_bf16` / `int4_lsq_g128_bf16`"),
 ]
@@ -177,7 +195,7 @@ REFUSED = [
 # Q8 activation rounding emulated; the same without the emulation; max relative logit difference on
 # the first prompt, emulated)
 MEASURED_ON = ("2026-12-01, llama.cpp 0c1e570 via llama-cpp-python 0.3.36, x86-64 with AVX-512 (plain CPU "
-               "backend, F32 KV cache)")
+               "backend, F32 KV cache; the Gemma 3 cells 2026-12-07, same build, AMD EPYC with AVX-512)")
 MEASURED: Dict[str, Tuple[int, int, float, float, float]] = {
     'llama_cpp-gguf-llama-q4_k_m-w4a16': (3, 4, 2.7e-08, 0.00036, 0.00018),
     'llama_cpp-gguf-llama-nvfp4-w4a4': (3, 4, 2.8e-06, 0.00019, 1.9e-07),
@@ -201,6 +219,9 @@ MEASURED: Dict[str, Tuple[int, int, float, float, float]] = {
     'llama_cpp-gguf-llama-ternary_seq+ternary_seq_tq1-w4a16': (2, 4, 3e-06, 0.00039, 0.0023),
     'llama_cpp-gguf-qwen3-binary_sign+binary_sign_q4_0+binary_sign_tq1-w4a16': (2, 4, 9.2e-06, 0.00025, 2.2e-07),
     'llama_cpp-gguf-qwen2-int2_seq_q4_0-w4a16': (1, 4, 3.3e-05, 0.00018, 1.5e-06),
+    # the Gemma 3 cells: 2026-12-07, the same llama.cpp build, an AMD EPYC with AVX-512
+    'llama_cpp-gguf-gemma3-mxfp4-w4a16': (4, 4, 1.8e-15, 5.5e-05, 1.4e-07),
+    'llama_cpp-gguf-gemma3-nvfp4_ggml+q5_0-w4a16': (3, 4, 2.5e-06, 5.4e-05, 1.4e-07),
 }
 # the same gate on a real model (not a cell: SmolLM2-135M-Instruct, PTQ Q4_K_M, 4 prompts of 12 tokens)
 REAL_MODEL = ("SmolLM2-135M-Instruct Q4_K_M (30 layers): KL to llama.cpp 0.008-0.016 per prompt with the rounding "

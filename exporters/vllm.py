@@ -222,7 +222,8 @@ class SafetensorsExporter(Exporter):
                     if mode == "w4a4":
                         s_a = act_decode_scale(converted.act_formats[m], converted.input_amax[m])
                         tensors[m + T.input_scale] = (1.0 / s_a).reshape(1)
-        untie = flavour == "modelopt" and ties_embeddings(converted) and EMBED in converted.dense
+        untie = flavour == "modelopt" and ties_embeddings(converted) and EMBED in converted.dense and \
+            converted.config.get("model_type") not in EMBEDDING_IS_HEAD
         if untie:
             # vLLM (0.24, checked on an H200) cannot tie lm_head under a ModelOpt quantization config: its
             # ModelOpt get_quant_method gives the ParallelLMHead a linear method, excluded or not, and
@@ -339,6 +340,13 @@ def _int4_scale(name: str, p, dtype: torch.dtype) -> torch.Tensor:
                           f"weights than the student. Train with int4_lsq_bf16 / int4_lsq_g128_bf16 (scales on the bf16 "
                           f"grid), in float16/float32, or export to llama.cpp (Q4_0 stores fp16 scales as they are)")
     return s.contiguous()
+
+
+# model types whose vLLM class has no lm_head at all and computes logits through its embedding table
+# (vllm/model_executor/models/gemma3.py: compute_logits(self.model.embed_tokens, ...), and its constructor
+# asserts tie_word_embeddings): there the tie that the ModelOpt untie works around never happens, and an
+# untied config would be refused
+EMBEDDING_IS_HEAD = ("gemma3_text",)
 
 
 def _architectures(model_type):

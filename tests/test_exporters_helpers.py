@@ -181,8 +181,86 @@ def tied_student(kind: str, fmt: str, act=None, preset=None, tie: bool = True, w
     return _CACHE[key]
 
 
+GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, max_position_embeddings=128,
+              sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def gemma3_model(seed: int = 0, **over):
+    """A tiny random Gemma3ForCausalLM (gemma3_text: 2 sliding-window layers of window 8, tied, hidden 64) in
+    bf16, with norm weights away from zero so that Gemma's (1 + w) convention shows in every check."""
+    import transformers as T
+    torch.manual_seed(seed)
+    model = T.Gemma3ForCausalLM._from_config(T.Gemma3TextConfig(**dict(GEMMA3, **over)), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+            elif n.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def gemma3_student(fmt: str, act=None, rules=(), exclude=()) -> ConvertedModel:
+    """gemma3_model prepared/calibrated/converted with the real quantize API (cached: read-only)."""
+    key = ("gemma3", fmt, act, tuple(rules), tuple(exclude))
+    if key in _CACHE:
+        return _CACHE[key]
+    from qatfactory.quantize import DEFAULT_EXCLUDE, ModuleRule, QuantConfig, calibrate, convert, prepare
+    model = gemma3_model()
+    prepare(model, QuantConfig(weight_format=fmt, act_format=act, rules=[ModuleRule(**dict(r)) for r in rules],
+                               exclude=list(DEFAULT_EXCLUDE) + list(exclude)))
+    if act:
+        calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
+    cm = convert(model)
+    cm.source_dir = str(source_dir())
+    _CACHE[key] = cm
+    return cm
+
+
+QWEN3_5 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=128, bos_token_id=1,
+               eos_token_id=2, tie_word_embeddings=False)
+
+
+def qwen3_5_model(seed: int = 0, **over):
+    """A tiny random Qwen3.5 dense text model (qwen3_5_text, Qwen3_5ForCausalLM: three Gated DeltaNet layers then
+    one gated full-attention layer, hidden 64) in bf16, norms away from zero."""
+    import transformers as T
+    torch.manual_seed(seed)
+    model = T.Qwen3_5ForCausalLM._from_config(T.Qwen3_5TextConfig(**dict(QWEN3_5, **over)), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.06)
+            elif n.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def qwen3_5_student(fmt: str, act=None) -> ConvertedModel:
+    """qwen3_5_model prepared/calibrated/converted with the real quantize API (cached: read-only)."""
+    key = ("qwen3_5", fmt, act)
+    if key in _CACHE:
+        return _CACHE[key]
+    from qatfactory.quantize import QuantConfig, calibrate, convert, prepare
+    model = qwen3_5_model()
+    prepare(model, QuantConfig(weight_format=fmt, act_format=act))
+    if act:
+        calibrate(model, [torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))])
+    cm = convert(model)
+    cm.source_dir = str(source_dir())
+    _CACHE[key] = cm
+    return cm
+
+
 def cell_student(cell) -> ConvertedModel:
     """The student of a matrix cell (qatfactory.exporters.matrix.Cell)."""
+    if cell.kind == "qwen3_5":
+        return qwen3_5_student(cell.fmt, cell.act)
+    if cell.kind == "gemma3":
+        return gemma3_student(cell.fmt, cell.act, rules=cell.rules, exclude=cell.exclude)
     if cell.kind == "mixtral":
         return mixtral_student(cell.fmt, cell.act, rules=cell.rules, preset=cell.preset, exclude=cell.exclude)
     if cell.kind.endswith("_tied"):

@@ -118,12 +118,14 @@ def written_dense(student: ConvertedModel) -> Dict[str, torch.Tensor]:
 
 def fused_groups(student: ConvertedModel) -> List[List[str]]:
     """Modules vLLM/SGLang load into one layer with one per-tensor scale: q/k/v, gate/up, each
-    expert's gate/up (w1/w3), plus any group the student names."""
+    expert's gate/up (w1/w3), Qwen3.5's in_proj_qkv + in_proj_z (vLLM qwen3_5.py packed_modules_mapping
+    "in_proj_qkvz"), plus any group the student names."""
     mods = {module_of(n) for n in student.packed}
     groups, seen = [], set()
     cands = [list(g) for g in student.fused_groups]
     for m in sorted(mods):
-        for first, rest in ((".q_proj", (".k_proj", ".v_proj")), (".gate_proj", (".up_proj",)), (".w1", (".w3",))):
+        for first, rest in ((".q_proj", (".k_proj", ".v_proj")), (".gate_proj", (".up_proj",)), (".w1", (".w3",)),
+                            (".in_proj_qkv", (".in_proj_z",))):
             if m.endswith(first):
                 stem = m[: -len(first)]
                 cands.append([m] + [stem + r for r in rest if stem + r in mods])

@@ -59,7 +59,22 @@ from .result import FAIL, OK, Malformed, Missing, VerifyResult, need
 
 # HF model_type -> (gguf-py MODEL_ARCH member name, llama.cpp permutes Q/K rows for interleaved RoPE)
 ARCH = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "mixtral": ("LLAMA", True),
-        "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False), "qwen3_moe": ("QWEN3MOE", False)}
+        "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False), "qwen3_moe": ("QWEN3MOE", False),
+        "gemma3_text": ("GEMMA3", False)}
+# Transcribed from llama.cpp (not shared with the exporter): its converter stores Gemma 3's norm weights as
+# 1 + w (conversion/gemma.py Gemma3Model.norm_shift, for every name ending in "norm.weight"); its runtime
+# (llama-model.cpp, LLM_ARCH_GEMMA3) makes layer il a sliding one unless il % 6 == 5 and scales queries by
+# 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 62-layer model, whatever query_pre_attn_scalar says
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_27B_LAYERS = 62
+
+
+def norm_shift(arch_name: str, hf_name: str) -> float:
+    return 1.0 if arch_name == "gemma3" and hf_name.endswith("norm.weight") else 0.0
+
+
+def gemma3_query_scalar(n_layer: int, hidden: int, n_head: int, head_dim: int) -> int:
+    return hidden // n_head if n_layer == GEMMA3_27B_LAYERS else head_dim
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)$")
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 ACT_NOTE = ("llama.cpp's CPU backend quantizes activations to Q8_0/Q8_K (by weight type), not to the "
@@ -266,9 +281,10 @@ def verify_gguf(res: VerifyResult, d: Path, student: ConvertedModel, rec: Dict[s
             res.add(name, "dense", FAIL, "gguf-py has no GGUF name for this tensor")
             continue
         expected[gname] = name
-        got = _dense(res, gguf, tensors, name, gname, e, tt, unpermute)
+        shift = norm_shift(names.arch_name, name)
+        got = _dense(res, gguf, tensors, name, gname, e, tt.float() + shift if shift else tt, unpermute)
         if got is not None:
-            decoded[name] = got
+            decoded[name] = got - shift if shift else got   # the student's own parameter, for rebuilt models
     extra = sorted(set(tensors) - set(expected))
     res.ok_or_fail("tensors", "none extra", not extra, f"{len(extra)} tensors the student does not have: "
                    + names_sample(extra) if extra else f"{len(tensors)} tensors, all expected")
@@ -306,8 +322,10 @@ def _check_record(res, rec, student, fname, names, mode) -> None:
     KVG.check_record(res, rec, student, "llama_cpp")   # the cache type the student was trained for
 
 
-def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
+def _rope(cfg: Dict[str, Any], layer_type: str = "full_attention") -> Dict[str, Any]:
     rp = dict(cfg.get("rope_parameters") or {})
+    if isinstance(rp.get(layer_type), dict):   # transformers 5 nests Gemma 3's by layer type
+        rp = dict(rp[layer_type])
     rs = dict(cfg.get("rope_scaling") or {})
     return {"theta": float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             "type": rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default",
@@ -379,7 +397,9 @@ def _metadata(res, reader, student, names, path) -> None:
     if rope["type"] == "default" and field(reader, f"{a}.rope.scaling.type") not in (None, "none"):
         bad.append(f"{a}.rope.scaling.type={field(reader, f'{a}.rope.scaling.type')!r} (student: no scaling)")
     # what llama.cpp fixes for these architectures must be what the student computes
-    if cfg.get("hidden_act", "silu") != "silu":
+    if a == "gemma3":
+        bad += _gemma3_fixed(reader, cfg, hidden, n_head, head_dim)
+    elif cfg.get("hidden_act", "silu") != "silu":
         bad.append(f"student hidden_act={cfg.get('hidden_act')!r}; llama.cpp runs SiLU for {a}")
     if a == "qwen3moe" and cfg.get("norm_topk_prob") is not True:
         bad.append("student norm_topk_prob is not true; llama.cpp's qwen3moe always renormalizes the top-k weights")
@@ -416,6 +436,35 @@ def _metadata(res, reader, student, names, path) -> None:
                 bad.append(f"{k}={parsed[k]!r} (student: {sv[k]!r})")
     res.ok_or_fail("metadata", "transformers GGUF config == student", not bad, "; ".join(bad) if bad else
                    f"{sum(k in parsed for k in sv)} mapped keys equal", source="transformers load_gguf_checkpoint")
+
+
+def _gemma3_fixed(reader, cfg, hidden: int, n_head: int, head_dim: int) -> List[str]:
+    """Gemma 3: the keys llama.cpp reads beyond the common ones, and what its runtime fixes."""
+    bad = []
+    n_layer = int(cfg["num_hidden_layers"])
+    local = _rope(cfg, "sliding_attention")
+    for key, v in (("gemma3.rope.freq_base_swa", _f32(local["theta"])),
+                   ("gemma3.attention.sliding_window", cfg.get("sliding_window"))):
+        got = field(reader, key)
+        if got is None or (_f32(got) if isinstance(v, float) else got) != v:
+            bad.append(f"{key}={got!r} (student: {v!r})")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if act != "gelu_pytorch_tanh":
+        bad.append(f"student hidden_activation={act!r}; llama.cpp runs tanh GELU for gemma3")
+    qs = gemma3_query_scalar(n_layer, hidden, n_head, head_dim)
+    if cfg.get("query_pre_attn_scalar") is None or float(cfg["query_pre_attn_scalar"]) != float(qs):
+        bad.append(f"student query_pre_attn_scalar={cfg.get('query_pre_attn_scalar')!r}; llama.cpp scales by "
+                   f"1/sqrt({qs})")
+    fixed = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(n_layer)]
+    if list(cfg.get("layer_types") or fixed) != fixed:
+        bad.append(f"student layer_types={cfg.get('layer_types')!r}; llama.cpp's pattern is {fixed}")
+    if cfg.get("attn_logit_softcapping") is not None:
+        bad.append(f"student attn_logit_softcapping={cfg['attn_logit_softcapping']!r}; llama.cpp's gemma3 applies none")
+    # the final one llama.cpp applies when the key is there (tanh(x / c) * c), and transformers when the config has it
+    cap, got = cfg.get("final_logit_softcapping"), field(reader, "gemma3.final_logit_softcapping")
+    if (cap or None) != (got or None) and (cap is None or got is None or _f32(cap) != _f32(got)):
+        bad.append(f"gemma3.final_logit_softcapping={got!r} (student: {cap!r})")
+    return bad
 
 
 def _raw(gguf, t, e) -> np.ndarray:
@@ -561,6 +610,24 @@ def gguf_config(reader, path: Path, names) -> Dict[str, Any]:
         parsed["model_type"] = "mixtral"
         parsed["num_local_experts"] = int(field(reader, f"{a}.expert_count"))
         parsed["num_experts_per_tok"] = int(field(reader, f"{a}.expert_used_count"))
+    if a == "gemma3":
+        # what llama.cpp's gemma3 reads or fixes and transformers' mapping leaves at its defaults (a 256 query
+        # scale, a 10000 local theta): the model the file describes, as llama.cpp runs it
+        n_layer, hidden, n_head = parsed["num_hidden_layers"], parsed["hidden_size"], parsed["num_attention_heads"]
+        parsed["query_pre_attn_scalar"] = gemma3_query_scalar(n_layer, hidden, n_head,
+                                                              int(parsed.get("head_dim") or hidden // n_head))
+        swa = field(reader, f"{a}.rope.freq_base_swa")
+        full = {"rope_type": "default", "rope_theta": float(parsed.pop("rope_theta", 10000.0))}
+        kind = field(reader, f"{a}.rope.scaling.type")
+        if kind == "linear":   # llama.cpp scales the full-attention layers' rope only (Gemma 3 4B and up: x8)
+            full.update(rope_type=kind, factor=float(field(reader, f"{a}.rope.scaling.factor")))
+        parsed["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(10000.0 if swa is None else swa)}}
+        parsed["layer_types"] = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+                                 for i in range(n_layer)]
+        parsed["hidden_activation"] = "gelu_pytorch_tanh"
+        parsed["final_logit_softcapping"] = field(reader, f"{a}.final_logit_softcapping")
     parsed.pop("_model_name_or_path", None)
     return parsed
 

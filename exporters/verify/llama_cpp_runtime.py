@@ -189,14 +189,30 @@ ROUND = {"Q8_0": q8_0, "Q8_K": q8_k, "BF16": _fp(torch.bfloat16), "F16": _fp(tor
          "F32": lambda x, flip=False, count=None, gen=None: x}
 
 
-def _rms_norm_llama_cpp(self, x: torch.Tensor) -> torch.Tensor:
+def _rms_norm_llama_cpp(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
     """ggml_compute_forward_rms_norm_f32 + the norm weight: sum of x*x in double, mean and
-    1.0f/sqrtf(mean + eps) in float, then (x * scale) * w."""
+    1.0f/sqrtf(mean + eps) in float, then (x * scale) * w; w = 1 + the parameter (in fp32) for Gemma,
+    whose GGUF stores that sum."""
     xf = x.float()
     s = (xf * xf).double().sum(-1, keepdim=True)
     mean = (s / xf.shape[-1]).float()
     eps = torch.tensor(float(getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))), dtype=torch.float32)
-    return (xf * (1.0 / torch.sqrt(mean + eps))) * self.weight.float()
+    w = self.weight.float() + shift if shift else self.weight.float()
+    return (xf * (1.0 / torch.sqrt(mean + eps))) * w
+
+
+class GeluTable(torch.nn.Module):
+    """ggml's CPU GELU (ggml_vec_gelu_f32 / ggml_vec_geglu_f32 with GGML_GELU_FP16): the input rounded to
+    fp16, looked up in a table of fp16(tanh-GELU), x itself at or above 10 and 0 at or below -10."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = F.gelu(xf.half().float(), approximate="tanh").half().float()
+        return torch.where(xf <= -10.0, torch.zeros_like(xf), torch.where(xf >= 10.0, xf, y))
+
+
+# architectures whose RMSNorm multiplies by (1 + w) and whose FFN is tanh-GELU gated (llama.cpp: gemma*)
+GEMMA_ARCHS = ("gemma3",)
 
 
 def _param_gguf_name(pname: str, names, is_tied: bool) -> List[str]:
@@ -233,9 +249,13 @@ def emulated_logits(student: ConvertedModel, prompts: List[List[int]], types: Di
             unknown.append(f"{pname} ({[types.get(g) for g in gnames]})")
             continue
         rule[prm.untyped_storage().data_ptr()] = kinds.pop()
+    gemma = getattr(names, "arch_name", None) in GEMMA_ARCHS
     for mod in model.modules():
         if type(mod).__name__.endswith("RMSNorm"):
-            mod.forward = _types.MethodType(_rms_norm_llama_cpp, mod)
+            fwd = _rms_norm_llama_cpp if not gemma else (lambda self, x: _rms_norm_llama_cpp(self, x, 1.0))
+            mod.forward = _types.MethodType(fwd, mod)
+        if gemma and hasattr(mod, "act_fn") and hasattr(mod, "gate_proj"):
+            mod.act_fn = GeluTable()
     used: Dict[str, int] = {}
     amb: List[int] = []
     lin = F.linear

@@ -211,7 +211,10 @@ def verify_safetensors(res: VerifyResult, d: Path, student: ConvertedModel, rec:
     exclude = unquantized_linears(student)
     # vLLM cannot tie an lm_head under a ModelOpt config (ParallelLMHead.tie_weights raises; seen with vLLM
     # 0.24 on an H200): a tied student is shipped untied there, lm_head.weight = the embedding's bytes
-    untie = flavour == "modelopt" and tied(student) is True and EMBED in student.dense
+    # ... except where vLLM's model class has no lm_head and reads logits off the embedding (Gemma 3: its
+    # Gemma3ForCausalLM asserts tie_word_embeddings), which then must stay tied
+    untie = flavour == "modelopt" and tied(student) is True and EMBED in student.dense and \
+        student.config.get("model_type") != "gemma3_text"
     _check_record(res, rec, student, layout, mode, exclude, untie)
     want_cfg = _json_normalized(student)
     if untie:

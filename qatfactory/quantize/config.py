@@ -44,6 +44,10 @@ DEFAULT_EXCLUDE = [
     "*.mlp.router",
     "*.mlp.router.*",
     "*shared_expert_gate",        # Qwen2-MoE shared-expert gate (a [1, H] linear)
+    # Qwen3.5 / Qwen3-Next Gated DeltaNet: the per-head b (beta) and a (decay step) projections, num_v_heads rows
+    # each, which vLLM stacks into in_proj_ba and runs in the model dtype
+    "*.linear_attn.in_proj_a",
+    "*.linear_attn.in_proj_b",
 ]
 
 

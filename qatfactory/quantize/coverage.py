@@ -115,7 +115,10 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                 rows.append(CoverageRow(full, shape, numel, q.fmt_name,
                                         numel * fmt.spec.bits_per_weight + 32 * n_glob, "quantized", note))
                 continue
-            linear_like = (isinstance(m, nn.Linear) and pn == "weight") or p.ndim == 3
+            conv = isinstance(m, nn.modules.conv._ConvNd)
+            # a convolution (Gated DeltaNet's and Mamba's short causal conv) is no matmul the engines quantize:
+            # vLLM and llama.cpp run it in the model dtype
+            linear_like = not conv and ((isinstance(m, nn.Linear) and pn == "weight") or p.ndim == 3)
             if _is_conv1d(m) and pn == "weight":
                 why = _exclusion(cfg, n, lm_name, tied)
                 if why is None and any(match(t, n) for t in cfg.targets):
@@ -145,6 +148,8 @@ def coverage(model: nn.Module, cfg: Optional[QuantConfig] = None) -> CoverageRep
                                   f"(add it to QuantConfig.exclude or to targets)")
             elif p.ndim >= 2 and any(match(e, n) for e in cfg.exclude):
                 status, note = "excluded", "exclude pattern"
+            elif conv and pn == "weight":
+                note = "convolution: engines keep it in the model dtype"
             rows.append(CoverageRow(full, shape, numel, str(p.dtype).replace("torch.", ""),
                                     numel * _dtype_bits(p), status, note))
     shipped = [r for r in rows if r.status not in ("adapter", "quantizer", "tied")]

@@ -25,8 +25,10 @@ from ..nn.lowbit import LowBitQuantizer
 from .config import POLICY_TARGETS, QuantConfig, match
 from .search import search_scales
 
-# children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj)
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# children of one parent that an engine fuses into one GEMM (vLLM qkv_proj / gate_up_proj, and Qwen3.5's Gated
+# DeltaNet in_proj_qkvz = in_proj_qkv + in_proj_z)
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"),
+                  ("in_proj_qkv", "in_proj_z"))
 
 
 _QUANT_STATE_TYPES = (WeightQuantizer, LowBitQuantizer, ActQuantizer, LoRA)
@@ -106,6 +108,8 @@ def _linear_like(model):
             out.append((n, m, "unsupported_conv1d"))
         elif is_fused_experts(m):
             out.append((n, m, "experts"))
+        elif isinstance(m, nn.modules.conv._ConvNd):
+            continue   # a convolution's 3-D weight is no expert stack; engines run it in the model dtype
         else:
             for pn, p in m._parameters.items():
                 if p is not None and p.ndim == 3:

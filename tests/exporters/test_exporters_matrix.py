@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections import Counter
 
 import test_exporters
+import test_exporters_gemma3
 import test_exporters_gguf
 import test_exporters_mixtral
+import test_exporters_qwen3_5
 import test_exporters_tied
 
 from qatfactory.exporters.matrix import CELLS, KINDS, MEASURED, markdown
@@ -16,7 +18,9 @@ from qatfactory.exporters.matrix import CELLS, KINDS, MEASURED, markdown
 def test_every_cell_is_gated_exactly_once():
     ran = Counter(p.values[0] for mod, lists in ((test_exporters, ["CELLS"]), (test_exporters_gguf, ["CELLS"]),
                                                  (test_exporters_mixtral, ["ST_CELLS", "GGUF_CELLS"]),
-                                                 (test_exporters_tied, ["CELLS"]))
+                                                 (test_exporters_tied, ["CELLS"]),
+                                                 (test_exporters_gemma3, ["CELLS"]),
+                                                 (test_exporters_qwen3_5, ["CELLS"]))
                   for name in lists for p in getattr(mod, name))
     assert set(ran) == set(CELLS) and all(n == 1 for n in ran.values()), \
         ({c.id for c in CELLS} - {c.id for c in ran}, [c.id for c, n in ran.items() if n > 1])

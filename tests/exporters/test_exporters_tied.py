@@ -24,7 +24,7 @@ import gguf  # noqa: E402  (an install requirement: missing, these tests fail)
 
 
 
-CELLS = cells(lambda c: c.tied)
+CELLS = cells(lambda c: c.kind.endswith("_tied"))   # Gemma 3 (tied too) has its own file
 
 
 @pytest.mark.parametrize("cell", CELLS)
