@@ -108,7 +108,7 @@ def model_dir_of(a, work: Path) -> Path:
     """--model-path, else the smoke's random model, else the packaged SmolLM2-135M-Instruct made into a local
     directory once (what papers_common's ``prepare`` does on the offline machine)."""
     if a.model_path:
-        return Path(a.model_path)
+        return Path(a.model_path).resolve()
     if a.smoke:
         return smoke_model_dir(work)
     from qatfactory import assets
@@ -173,8 +173,8 @@ def check_qad_run(run: Path) -> Dict[str, Any]:
 def our_arm(a, p, data, model_dir: Path, method: str, work: Path) -> Dict[str, Any]:
     t0 = time.time()
     if method == "qad" and a.qad_run:
-        info = check_qad_run(Path(a.qad_run))
-        run = Path(a.qad_run)
+        run = Path(a.qad_run).resolve()
+        info = check_qad_run(run)
     else:
         run = C.runs_dir(work) / method
         over = train_overrides(a, p, data, model_dir, method, run)
@@ -299,7 +299,9 @@ def run(a) -> int:
         if getattr(a, k, None):
             p[k] = getattr(a, k)
     want = [x for x in a.arms.split(",") if x]
-    work = Path(a.work or a.out / f"work-{a.tag}")
+    # absolute: llama.cpp's converter runs in its own source folder
+    a.out = a.out.resolve()
+    work = Path(a.work or a.out / f"work-{a.tag}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     data = C.data_files(work, ("wiki_train", "austen_train") + HELD, p["limits"])
     model_dir = model_dir_of(a, work)
