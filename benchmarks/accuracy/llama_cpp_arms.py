@@ -144,8 +144,11 @@ def train_overrides(a, p, data, model_dir: Path, method: str, run_dir: Path) -> 
     steps = p["steps"] if method == "qad" else 1
     # the trainer's own held-out evaluation (2 windows) is a progress signal only; the smoke evaluates once
     every = steps if a.smoke else max(1, steps // 4)
-    return o + C.train_overrides("cpu", run_dir, a.seed, steps, a.lr, p["micro"], 1, every, True,
-                                 p["warmup"] if method == "qad" else 0)
+    o += C.train_overrides("cpu", run_dir, a.seed, steps, a.lr, p["micro"], 1, every, True,
+                           p["warmup"] if method == "qad" else 0)
+    # with data.eval given the trainer reads train.eval_samples (0: every window of the held-out file, here
+    # thousands), not data.eval_samples
+    return [x if not x.startswith("train.eval_samples=") else "train.eval_samples=2" for x in o]
 
 
 def check_qad_run(run: Path) -> Dict[str, Any]:
@@ -170,8 +173,19 @@ def check_qad_run(run: Path) -> Dict[str, Any]:
             "train": cfg.get("data", {}).get("train"), "calib_samples": cfg.get("method", {}).get("calib_samples")}
 
 
+def earlier(work: Path, method: str) -> Optional[Path]:
+    """--rescore: the newest run of ``method`` an earlier call made under --work (with its export beside)."""
+    runs = sorted(work.glob(f"runs-*/{method}/student"))
+    return runs[-1].parent if runs and (work / "exports" / method / "model.gguf").is_file() else None
+
+
 def our_arm(a, p, data, model_dir: Path, method: str, work: Path) -> Dict[str, Any]:
     t0 = time.time()
+    exp = work / "exports" / method
+    if a.rescore and (method != "qad" or not a.qad_run) and earlier(work, method):
+        run = earlier(work, method)
+        info = check_qad_run(run) if method == "qad" else {"run": str(run), "steps": 0, "tokens": 0}
+        return {"gguf": str(exp / "model.gguf"), "made_s": None, "rescored": True, **info}
     if method == "qad" and a.qad_run:
         run = Path(a.qad_run).resolve()
         info = check_qad_run(run)
@@ -181,7 +195,6 @@ def our_arm(a, p, data, model_dir: Path, method: str, work: Path) -> Dict[str, A
         cli(["train", *over], work / "logs" / f"train-{method}.log", a.threads)
         info = check_qad_run(run) if method == "qad" else {"run": str(run), "steps": 0, "tokens": 0}
         info["command"] = "qatfactory train " + " ".join(over)
-    exp = work / "exports" / method
     cli(["export", "--engine", "llama_cpp", "--out", str(exp), "--force", "--source-dir", str(model_dir),
          str(run / "student")], work / "logs" / f"export-{method}.log", a.threads)
     return {"gguf": str(exp / "model.gguf"), "made_s": time.time() - t0, **info}
@@ -204,11 +217,16 @@ def calibration_text(a, p, data, model_dir: Path, path: Path) -> Dict[str, Any]:
 
 
 def llama_quantize_arms(teacher: Path, calib_txt: Optional[Path], want: List[str], p, work: Path,
-                        threads: int) -> Dict[str, Dict[str, Any]]:
+                        threads: int, rescore: bool = False) -> Dict[str, Dict[str, Any]]:
     from qatfactory.faces import llama_tools as LT
     out: Dict[str, Dict[str, Any]] = {}
     d = work / "llama-quantize"
     d.mkdir(parents=True, exist_ok=True)
+    if rescore:
+        for k, f in (("lq", d / "Q4_K_M.gguf"), ("lq_imatrix", d / "Q4_K_M-imatrix.gguf")):
+            if k in want and f.is_file():
+                out[k] = {"gguf": str(f), "made_s": None, "rescored": True}
+        want = [k for k in want if k not in out]
     if "lq" in want:
         t0 = time.time()
         f = d / "Q4_K_M.gguf"
@@ -320,9 +338,13 @@ def run(a) -> int:
     res["teacher"] = {"gguf": str(teacher), "sha256": sha256(teacher), "made_s": time.time() - t0,
                       "how": "llama.cpp convert_hf_to_gguf.py --outtype f32", **file_record(teacher)}
     calib = None
-    if "lq_imatrix" in want:
+    lq_done = a.rescore and (work / "llama-quantize" / "Q4_K_M-imatrix.gguf").is_file()
+    if "lq_imatrix" in want and not lq_done:
         calib = calibration_text(a, p, data, model_dir, work / "calibration.txt")
         res["calibration_text"] = calib
+    elif "lq_imatrix" in want:
+        res["calibration_text"] = {"path": str(work / "calibration.txt"), "windows": p["calib_samples"],
+                                   "tokens": p["calib_samples"] * p["seq"], "rescored": True}
     for key in ("ptq", "qad"):
         if key in want:
             try:
@@ -332,7 +354,8 @@ def run(a) -> int:
             C.say(a.tag, f"{key}: {res['arms'][key].get('gguf', res['arms'][key].get('error'))}")
     try:
         res["arms"].update(llama_quantize_arms(teacher, Path(calib["path"]) if calib else None,
-                                               [k for k in want if k.startswith("lq")], p, work, a.threads))
+                                               [k for k in want if k.startswith("lq")], p, work, a.threads,
+                                               a.rescore))
     except Exception as e:  # noqa: BLE001
         for k in want:
             if k.startswith("lq") and k not in res["arms"]:
@@ -472,6 +495,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, dest="max_tokens", help="behaviour: new tokens cap")
     ap.add_argument("--no-behaviour", action="store_true", help="held-out scores only, no greedy answers")
     ap.add_argument("--qad-run", default=None, help="a finished `qatfactory train method=qad format=q4_k` run")
+    ap.add_argument("--rescore", action="store_true",
+                    help="score the GGUFs an earlier call left in --work again (no training, no quantizing)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default=TAG)
