@@ -116,6 +116,23 @@ def test_qad_run_must_be_a_q4_k_qad_run(smoke):
     assert A.check_qad_run(Path(res["arms"]["qad"]["run"]))["steps"] == res["preset"]["steps"]
 
 
+@pytest.mark.slow
+@pytest.mark.llama_cpp
+def test_rescore_scores_the_earlier_files_again_and_gets_the_same_numbers(smoke, tmp_path):
+    out, res = smoke
+    work = out / f"work-{A.TAG}"
+    lq = work / "llama-quantize" / "Q4_K_M.gguf"
+    before = lq.stat().st_mtime_ns
+    r = subprocess.run([sys.executable, str(ACC / "llama_cpp_arms.py"), "--smoke", "--out", str(tmp_path), "--work",
+                        str(work), "--arms", "lq", "--rescore", "--no-behaviour"], env=_env(OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    again = json.loads((tmp_path / f"{A.TAG}.json").read_text())["arms"]["lq"]
+    # not quantized again, and llama.cpp gives the same file the same numbers on the same tokens
+    assert again["rescored"] and lq.stat().st_mtime_ns == before
+    assert again["scores"] == res["arms"]["lq"]["scores"]
+
+
 def test_window_scores_equal_torch_on_random_logits():
     g = torch.Generator().manual_seed(0)
     t, s = torch.randn(300, 1000, generator=g) * 3, torch.randn(300, 1000, generator=g) * 3
