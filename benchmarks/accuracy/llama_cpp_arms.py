@@ -167,7 +167,9 @@ def check_qad_run(run: Path) -> Dict[str, Any]:
              if x.strip() and '"loss"' in x] if (run / "metrics.jsonl").is_file() else []
     done = max([s for s in steps if s is not None], default=0)
     seq = cfg.get("data", {}).get("seq_len")
-    return {"run": str(run), "steps": done, "max_steps": t.get("max_steps"), "lr": t.get("lr"),
+    summ = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    return {"run": str(run), "steps": done, "train_s": summ.get("time_s"), "max_steps": t.get("max_steps"),
+            "lr": t.get("lr"),
             "schedule": t.get("schedule"), "micro": t.get("micro_batch"), "seq": seq,
             "tokens": done * (t.get("micro_batch") or 0) * (t.get("grad_accum") or 1) * (seq or 0),
             "train": cfg.get("data", {}).get("train"), "calib_samples": cfg.get("method", {}).get("calib_samples")}
@@ -197,7 +199,9 @@ def our_arm(a, p, data, model_dir: Path, method: str, work: Path) -> Dict[str, A
         info["command"] = "qatfactory train " + " ".join(over)
     cli(["export", "--engine", "llama_cpp", "--out", str(exp), "--force", "--source-dir", str(model_dir),
          str(run / "student")], work / "logs" / f"export-{method}.log", a.threads)
-    return {"gguf": str(exp / "model.gguf"), "made_s": time.time() - t0, **info}
+    # a run given with --qad-run was trained elsewhere: its own wall time (summary.json) is part of the making
+    made = time.time() - t0 + (info.get("train_s") or 0 if method == "qad" and a.qad_run else 0)
+    return {"gguf": str(exp / "model.gguf"), "made_s": made, **info}
 
 
 def calibration_text(a, p, data, model_dir: Path, path: Path) -> Dict[str, Any]:
