@@ -15,8 +15,8 @@ the teacher, the held-out windows, the calibration that starts every trained arm
 
 Scores are the trainer-independent evaluator of benchmarks/papers/papers_common.py: full-vocabulary forward
 KL(teacher || student) in fp32, CE, top-1 agreement over held-out Wikipedia articles (never trained on) and
-*Persuasion* (out of the training novels). These are torch numbers on the student; the engine-scored tables
-(benchmarks/accuracy/engines.py) take the winner through the exporters.
+*Persuasion* (out of the training novels). These are torch numbers on the student (the gate proves each export
+equal to it); benchmarks/accuracy/llama_cpp_arms.py scores Q4_K_M files in llama.cpp itself.
 
 Writes ``<tag>.json`` / ``<tag>.md`` (and with --merge ``qad_recipe.md`` / ``.json`` / ``.png``) into --out.
 """
