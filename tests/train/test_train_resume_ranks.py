@@ -7,22 +7,19 @@ resume=auto in two fresh processes. The resumed steps' losses, the final student
 learnable scales, activation amax) and the final RNG states must be equal bit for bit.
 
 The ranks are started directly (RANK / WORLD_SIZE / MASTER_* in the environment, what the
-deepspeed launcher sets), which costs one interpreter start per rank instead of the launcher's."""
+deepspeed launcher sets) by rank_launch.launch, each a new process forked from an interpreter that has
+only imported the libraries (rank_launch.py says why that is no shared state)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from rank_launch import launch
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 COMMON = ["format=nvfp4_w4a4", "quant.scale_strategy=learnable", "train=cpu_tiny", "model.dtype=float32",
           "model.tiny.initializer_range=0.3", "data.synthetic=24", "data.seq_len=32", "data.eval_samples=4",
@@ -50,39 +47,9 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path, tag: str, overrides, kill_at: int = 0):
     """Two rank processes of one run; returns their exit codes and logs."""
-    port = _port()
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    base.update(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs, logs = [], []
-    for r in range(WORLD):
-        log = open(tmp / f"{tag}-rank{r}.log", "w")
-        logs.append(log)
-        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(kill_at), *overrides], cwd=REPO, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    rcs = []
-    try:
-        for p in procs:
-            rcs.append(p.wait(timeout=420))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    text = "\n".join(f"===== {tag} rank {r} =====\n" + (tmp / f"{tag}-rank{r}.log").read_text()[-3000:]
-                     for r in range(WORLD))
-    return rcs, text
+    return launch(tmp, tag, WORLD, [str(kill_at), *overrides], code=RANK)
 
 
 def _losses(run_dir):
