@@ -127,7 +127,8 @@ def the_block(page):
     name, _, part = page.partition("#")
     text = (ROOT / name).read_text()
     if part:
-        heading = {"cli": "## Quick start: the command line", "python": "## Quick start: Python"}[part]
+        heading = {"cli": "## Quick start: the command line", "python": "## Quick start: Python",
+                   "hf": "## Quick start: inside Hugging Face Trainer"}[part]
         assert heading in text, f"{name} lost its heading {heading!r}"
         text = text[text.index(heading):]
     blocks = fenced_blocks(text)
@@ -250,6 +251,12 @@ def test_quick_start_runs_as_written(ran, page):
             # "learning the shaped reward": the held-out reward at the end is above the start
             start, end = map(float, re.search(r"^eval/reward\s+(\S+)\s+(\S+)$", out, re.M).groups())
             assert end > start, out[-2000:]
+
+
+def test_readme_hf_trainer_block_is_the_one_integrations_md_runs():
+    """README's Hugging Face Trainer quick start is docs/integrations.md's first example, character for
+    character, so the run of that page above proves it (running it twice would prove nothing more)."""
+    assert the_block("README.md#hf") == the_block("docs/integrations.md")
 
 
 def test_every_docs_page_is_listed():
