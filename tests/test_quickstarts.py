@@ -6,6 +6,7 @@ Only what a CPU test must change is substituted (SUBSTITUTE, each with its reaso
 GPU, a real model or minutes is listed in NOT_RUN with the reason, or in ELSEWHERE with the test of this suite
 that runs it (that test file must still hold the command's marker).
 """
+import os
 import re
 import shlex
 import subprocess
@@ -173,7 +174,11 @@ def tiny_model_folder(dst: Path):
 
 
 def run_shell(cmd, cwd):
-    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=600)
+    # a reader's shell has no process-group variables; a pytest worker that trained in-process holds them (and
+    # its rendezvous port), and a child that inherits them joins that group instead of starting alone
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return p.returncode, p.stdout + p.stderr
 
 
