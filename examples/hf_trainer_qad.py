@@ -4,7 +4,7 @@ chunked KL loss, and at the end a vLLM export proven by the parity gate.
 
     python examples/hf_trainer_qad.py --model /path/to/model --data train.txt --out runs/hf-qad
     accelerate launch --num_processes 2 examples/hf_trainer_qad.py --model ... --deepspeed examples/ds_zero2.json
-    torchrun --nproc_per_node 2 examples/hf_trainer_qad.py --model ... --deepspeed examples/ds_zero2.json   (CPU: gloo)
+    deepspeed --num_gpus 2 examples/hf_trainer_qad.py --model ... --deepspeed examples/ds_zero2.json    (CPU: gloo)
     python examples/hf_trainer_qad.py --tiny --out /tmp/hf-qad       # a random tiny model, seconds on a CPU
 """
 import argparse
@@ -22,6 +22,8 @@ p.add_argument("--format", default="nvfp4_w4a16", help="a recipe of recipes/form
 p.add_argument("--engine", default="vllm", help="vllm | sglang | llama_cpp")
 p.add_argument("--max-steps", type=int, default=200)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (ZeRO-2 / ZeRO-3)")
+# the `deepspeed` launcher passes each process its rank as --local_rank (torchrun and accelerate set LOCAL_RANK)
+p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
 p.add_argument("--tiny", action="store_true", help="a random tiny model and text made here (tests, a first try)")
 a = p.parse_args()
 

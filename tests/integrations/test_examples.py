@@ -42,15 +42,15 @@ def test_example_trains_saves_and_ships(tmp_path, name, method):
 
 
 def test_hf_example_on_two_gloo_ranks_with_deepspeed_zero2(tmp_path):
-    """`torchrun --nproc_per_node 2` (what `accelerate launch --num_processes 2` runs on GPUs) of the example with
-    examples/ds_zero2.json as its DeepSpeed config, on CPU: two gloo ranks, ZeRO-2."""
+    """`deepspeed --num_gpus 2 examples/hf_trainer_qad.py ... --deepspeed examples/ds_zero2.json` (DeepSpeed's own
+    launcher, which hands each process --local_rank) on CPU: two gloo ranks, ZeRO-2."""
     needed("deepspeed")
     sys.path.insert(0, str(ROOT / "examples"))
     import tiny_model
     model = tiny_model.make(tmp_path / "model")      # made once: two ranks would write the same folder
     from rank_launch import clean_env, free_port
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    p = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                         str(free_port()), str(ROOT / "examples" / "hf_trainer_qad.py"), "--tiny", "--model", model,
                         "--out", str(out), "--deepspeed", str(ROOT / "examples" / "ds_zero2.json")],
                        env=clean_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
